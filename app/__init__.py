@@ -1,0 +1,1 @@
+"""tuneyard: an HTTP service that fine-tunes language models on Ray Train + DeepSpeed."""

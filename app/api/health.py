@@ -1,0 +1,27 @@
+"""/healthz: is the service, its database and its Ray cluster usable?"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sqlalchemy import text
+
+from app.api.deps import SessionDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Service, database and Ray reachability")
+def healthz(request: Request, session: SessionDep) -> dict:
+    try:
+        session.execute(text("SELECT 1"))
+        database = "ok"
+    except Exception as exc:  # report, don't raise: health must answer when parts are down
+        database = f"error: {type(exc).__name__}"
+    jobs = getattr(request.app.state, "jobs", None)
+    ray = {
+        "address": jobs.address if jobs else None,
+        "dashboard_url": jobs.address if jobs else None,
+        "reachable": bool(jobs and jobs.reachable()),
+    }
+    ok = database == "ok" and ray["reachable"]
+    return {"status": "ok" if ok else "degraded", "database": database, "ray": ray}

@@ -1,0 +1,101 @@
+"""/v1/runs: create, read and list runs, and read what they produced."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, BackgroundTasks, Query, Request, status
+
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.schemas.run_request import RunRequest
+from app.schemas.run_view import (
+    CheckpointList,
+    CheckpointView,
+    MetricList,
+    MetricView,
+    RunList,
+    RunView,
+)
+from app.services import run_data, runs
+from app.status import RunStatus
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+_errors = {
+    401: {"description": "Missing or invalid API key"},
+    404: {"description": "No such run (or not yours)"},
+    422: {"description": "The request breaks a rule; `detail` names each field and rule"},
+}
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=RunView,
+    summary="Create a fine-tuning run",
+    responses={k: v for k, v in _errors.items() if k != 404},
+)
+def create_run(
+    body: RunRequest, request: Request, session: SessionDep, settings: SettingsDep,
+    principal: CurrentPrincipal, background: BackgroundTasks,
+) -> RunView:
+    run = runs.create_run(
+        session, request=body, owner_id=principal.id,
+        allowed_roots=settings.resolved_allowed_roots,
+    )
+    # Background tasks run after the commit: wake the dispatcher now, not at its next tick.
+    dispatcher = getattr(request.app.state, "dispatcher", None)
+    if dispatcher is not None:
+        background.add_task(dispatcher.wake)
+    return RunView.of(run)
+
+
+@router.get("", response_model=RunList, summary="List runs, newest first", responses=_errors)
+def list_runs(
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    status_filter: Annotated[RunStatus | None, Query(alias="status")] = None,
+    limit: Annotated[int, Query(ge=1, le=runs.MAX_PAGE)] = 20,
+    cursor: str | None = None,
+) -> RunList:
+    rows, next_cursor = runs.list_runs(
+        session, owner_id=principal.id, status=status_filter, limit=limit, cursor=cursor
+    )
+    return RunList(data=[RunView.of(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", response_model=RunView, summary="Get one run", responses=_errors)
+def get_run(run_id: str, session: SessionDep, principal: CurrentPrincipal) -> RunView:
+    return RunView.of(runs.get_run(session, run_id=run_id, owner_id=principal.id))
+
+
+@router.get(
+    "/{run_id}/metrics", response_model=MetricList, summary="A run's metrics", responses=_errors
+)
+def get_metrics(
+    run_id: str,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    name: str | None = None,
+    after_step: Annotated[int | None, Query(ge=-1)] = None,
+    limit: Annotated[int, Query(ge=1, le=run_data.MAX_METRICS_PAGE)] = 1000,
+    cursor: str | None = None,
+) -> MetricList:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    rows, next_cursor = run_data.list_metrics(
+        session, run=run, name=name, after_step=after_step, limit=limit, cursor=cursor
+    )
+    return MetricList(data=[MetricView.of(m) for m in rows], next_cursor=next_cursor)
+
+
+@router.get(
+    "/{run_id}/checkpoints",
+    response_model=CheckpointList,
+    summary="A run's checkpoints (DeepSpeed and exported HF models)",
+    responses=_errors,
+)
+def get_checkpoints(run_id: str, session: SessionDep, principal: CurrentPrincipal) -> CheckpointList:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    return CheckpointList(
+        data=[CheckpointView.of(c) for c in run_data.list_checkpoints(session, run=run)]
+    )

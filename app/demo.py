@@ -1,0 +1,161 @@
+"""`tuneyard demo`: the whole path, offline — service, Ray, DeepSpeed, an exported model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from app.settings import DEMO_DIRNAME, Settings
+
+console = Console()
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def run_demo(*, steps: int, port: int | None) -> int:
+    settings = Settings()
+    demo_dir = settings.home_dir / DEMO_DIRNAME
+    model_dir, data_file = _build_assets(demo_dir)
+    api_key = _create_key(settings)
+    port = port or _free_port()
+    base = f"http://127.0.0.1:{port}"
+
+    console.print(f"[bold]Starting tuneyard[/] on {base} (home {settings.home_dir})")
+    env = {**os.environ, "TUNEYARD_PORT": str(port), "TUNEYARD_HOST": "127.0.0.1"}
+    log_path = settings.home_dir / "demo-service.log"
+    with open(log_path, "ab") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve"], env=env, stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {api_key}"},
+                          timeout=30) as http:
+            _wait_ready(http, server, log_path)
+            return _submit_and_watch(http, model_dir=model_dir, data_file=data_file, steps=steps)
+    finally:
+        console.print("Stopping the service (and its local Ray head)…")
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _build_assets(demo_dir: Path) -> tuple[Path, Path]:
+    from app.tiny_assets import build_tiny_gpt2, write_jsonl_dataset
+
+    model_dir = demo_dir / "tiny-gpt2"
+    data_file = demo_dir / "news.jsonl"
+    if not (model_dir / "config.json").exists():
+        console.print("Building a tiny GPT-2 and tokenizer locally (no hub needed)…")
+        build_tiny_gpt2(model_dir)
+    if not data_file.exists():
+        write_jsonl_dataset(data_file, rows=2000)
+    return model_dir, data_file
+
+
+def _create_key(settings: Settings) -> str:
+    from app.db import make_engine, make_session_factory, transaction
+    from app.migrate import upgrade_database
+    from app.services.api_keys import create_api_key
+
+    upgrade_database(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    with transaction(make_session_factory(engine)) as session:
+        _, secret = create_api_key(session, name="demo")
+    engine.dispose()
+    return secret
+
+
+def _wait_ready(http: httpx.Client, server: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 300
+    with console.status("Waiting for the service and its Ray head…"):
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise SystemExit(f"the service exited; see {log_path}")
+            try:
+                health = http.get("/healthz").json()
+                if health["ray"]["reachable"]:
+                    console.print(f"Ray dashboard: {health['ray']['dashboard_url']}")
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(1)
+    raise SystemExit(f"the service did not become ready; see {log_path}")
+
+
+def _submit_and_watch(http: httpx.Client, *, model_dir: Path, data_file: Path, steps: int) -> int:
+    request = {
+        "model": str(model_dir),
+        "dataset": {"source": str(data_file), "text_field": "text"},
+        "training": {"max_steps": steps, "learning_rate": 3e-3, "batch_size_per_worker": 8,
+                     "seq_length": 64, "lr_scheduler": "cosine", "warmup_steps": 3},
+        "deepspeed": {"zero_stage": 2},
+        "resources": {"num_workers": 2},
+        "checkpointing": {"export_hf": True},
+        "metadata": {"source": "tuneyard demo"},
+    }
+    response = http.post("/v1/runs", json=request)
+    response.raise_for_status()
+    run = response.json()
+    console.print(f"Submitted run [bold]{run['id']}[/] (ZeRO-2, 2 workers, {steps} steps)")
+    run = _watch(http, run["id"])
+    if run["status"] != "succeeded":
+        console.print(f"[red]Run {run['status']}[/]: {run['error']}")
+        return 1
+    _show_result(http, run)
+    return 0
+
+
+def _watch(http: httpx.Client, run_id: str) -> dict[str, Any]:
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("queued", total=None, info="")
+        while True:
+            run: dict[str, Any] = http.get(f"/v1/runs/{run_id}").json()
+            p, m = run["progress"], run["latest_metrics"]
+            info = f"step {p['step']}/{p['total_steps'] or '?'}"
+            if "loss" in m:
+                info += f"  loss {m['loss']:.3f}  {m.get('tokens_per_second', 0):.0f} tok/s"
+            progress.update(task, description=run["status"], total=p["total_steps"],
+                            completed=p["step"], info=info)
+            if run["status"] in TERMINAL:
+                return run
+            time.sleep(1)
+
+
+def _show_result(http: httpx.Client, run: dict[str, Any]) -> None:
+    losses = [m["value"] for m in http.get(f"/v1/runs/{run['id']}/metrics",
+                                           params={"name": "loss"}).json()["data"]]
+    console.print(f"[green]Succeeded.[/] loss {losses[0]:.3f} → {losses[-1]:.3f} "
+                  f"over {len(losses)} logged steps")
+    for ckpt in http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]:
+        console.print(f"  {ckpt['kind']:9} step {ckpt['step']:>4}  {ckpt['path']}")
+    model_path = run["output"]["model_path"]
+    if model_path:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        prompt = tokenizer("The Lions", return_tensors="pt")
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        console.print(f"Exported model: [bold]{model_path}[/]")
+        console.print(f"Sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

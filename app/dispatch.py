@@ -1,0 +1,205 @@
+"""The dispatcher: submits queued runs to Ray and settles what callbacks missed.
+
+Store before you launch: a run is claimed (`queued → starting`, a compare-and-set, so two
+service replicas never both take it) and committed before `submit_job` is called with a
+submission id derived from run id and attempt. If the service dies in between, the
+reconciler finds a `starting` run Ray has never heard of and submits it again under the
+same id, so there is never a second job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import transaction
+from app.models import Run, utcnow
+from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable
+from app.schemas.run_view import as_utc
+from app.security import hash_secret, new_secret
+from app.services.run_status import record_event, set_status
+from app.settings import Settings
+from app.status import RunStatus
+from worker.spec import CALLBACK_URL_ENV, SPEC_ENV, TOKEN_ENV
+
+log = logging.getLogger("tuneyard")
+
+WORKER_PACKAGE = Path(__file__).resolve().parent.parent / "worker"
+ENTRYPOINT = "python -m worker"
+# A `starting` run younger than this may still be in its dispatcher's hands.
+SUBMIT_GRACE = timedelta(seconds=30)
+LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
+
+
+def submission_id(run: Run) -> str:
+    return f"{run.id}-{run.attempt}"
+
+
+def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, Any]:
+    spec = {
+        **run.spec,
+        "run_id": run.id,
+        "attempt": run.attempt,
+        "storage_path": str(settings.resolved_storage_path),
+    }
+    env_vars = {
+        SPEC_ENV: json.dumps(spec),
+        TOKEN_ENV: token,
+        CALLBACK_URL_ENV: settings.resolved_callback_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if not run.spec["resources"]["use_gpu"]:
+        env_vars["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing
+    return {"py_modules": [str(WORKER_PACKAGE)], "env_vars": env_vars}
+
+
+class Dispatcher:
+    def __init__(
+        self, *, settings: Settings, session_factory: sessionmaker[Session], jobs: RayJobs
+    ) -> None:
+        self.settings = settings
+        self.session_factory = session_factory
+        self.jobs = jobs
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tuneyard-dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("dispatcher tick failed; retrying")
+            self._wake.wait(self.settings.dispatch_interval_s)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        self.reconcile_live_runs()
+        self.dispatch_queued_runs()
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def dispatch_queued_runs(self) -> int:
+        with self.session_factory() as session:
+            queued = list(
+                session.scalars(
+                    select(Run.id).where(Run.status == RunStatus.QUEUED).order_by(Run.created_at)
+                )
+            )
+        return sum(1 for run_id in queued if self._dispatch(run_id))
+
+    def _dispatch(self, run_id: str) -> bool:
+        token = new_secret("rt")
+        with transaction(self.session_factory) as session:
+            run = self._claim(session, run_id, token)
+            if run is None:
+                return False  # a peer took it, or it was cancelled meanwhile
+            runtime_env = build_runtime_env(run, token=token, settings=self.settings)
+            sid = run.ray_submission_id
+        self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]
+        return True
+
+    def _claim(self, session: Session, run_id: str, token: str) -> Run | None:
+        claimed = session.execute(
+            update(Run)
+            .where(Run.id == run_id, Run.status == RunStatus.QUEUED)
+            .values(status=RunStatus.STARTING, callback_token_hash=hash_secret(token))
+            .execution_options(synchronize_session=False)
+        )
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        run = session.get(Run, run_id, populate_existing=True)
+        assert run is not None
+        run.ray_submission_id = submission_id(run)
+        record_event(session, run, type="status", status=RunStatus.STARTING,
+                     message=f"submitting Ray job {run.ray_submission_id}")
+        return run
+
+    def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> None:
+        try:
+            self.jobs.submit(submission_id=sid, entrypoint=ENTRYPOINT, runtime_env=runtime_env)
+            log.info("run %s: submitted Ray job %s", run_id, sid)
+        except RayUnavailable as exc:
+            log.warning("run %s: Ray unavailable, back to the queue: %s", run_id, exc)
+            self._settle(run_id, RunStatus.QUEUED, message=f"Ray unavailable, will retry: {exc}")
+        except RayRejected as exc:
+            log.error("run %s: Ray rejected the job: %s", run_id, exc)
+            self._settle(run_id, RunStatus.FAILED, error_code="ray_rejected",
+                         error_message=f"Ray rejected the job: {exc}")
+
+    def _settle(self, run_id: str, new: RunStatus, **kwargs: Any) -> None:
+        with transaction(self.session_factory) as session:
+            run = session.get(Run, run_id, with_for_update=True)
+            if run is not None and not run.run_status.is_terminal():
+                set_status(session, run, new, **kwargs)
+
+    # -- reconciliation ---------------------------------------------------------------
+
+    def reconcile_live_runs(self) -> None:
+        """Compare every live run with Ray's view of its job and settle the differences."""
+        with self.session_factory() as session:
+            live = list(session.scalars(select(Run).where(Run.status.in_(LIVE))))
+        for run in live:
+            if not run.ray_submission_id:
+                continue
+            try:
+                state = self.jobs.state(run.ray_submission_id)
+            except RayUnavailable as exc:
+                log.warning("reconcile: Ray unavailable: %s", exc)
+                return
+            self._reconcile(run, state)
+
+    def _reconcile(self, seen: Run, state: JobState | None) -> None:
+        if state is None:
+            updated = as_utc(seen.updated_at)
+            if seen.status == RunStatus.STARTING and updated and utcnow() - updated > SUBMIT_GRACE:
+                self._resubmit(seen.id)
+            elif seen.status != RunStatus.STARTING:
+                self._settle(seen.id, RunStatus.FAILED, error_code="lost",
+                             error_message="Ray no longer knows this run's job (the head restarted?)")
+            return
+        if state.status == "FAILED":
+            self._settle(seen.id, RunStatus.FAILED, error_code="job_failed",
+                         error_message=f"the Ray job failed: {state.message}")
+        elif state.status == "STOPPED":
+            target = RunStatus.CANCELLED if seen.status == RunStatus.CANCELLING else RunStatus.FAILED
+            self._settle(seen.id, target, error_code=None if target == RunStatus.CANCELLED else "stopped",
+                         error_message=None if target == RunStatus.CANCELLED else f"the Ray job was stopped: {state.message}")
+        elif state.status == "SUCCEEDED":
+            # The entry point exits 0 only after training and export finished.
+            self._settle(seen.id, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+
+    def _resubmit(self, run_id: str) -> None:
+        """A `starting` run Ray never received (the service died before submitting)."""
+        token = new_secret("rt")
+        with transaction(self.session_factory) as session:
+            run = session.get(Run, run_id, with_for_update=True)
+            if run is None or run.status != RunStatus.STARTING:
+                return
+            run.callback_token_hash = hash_secret(token)
+            record_event(session, run, type="message", message="Ray never received the job; resubmitting")
+            runtime_env = build_runtime_env(run, token=token, settings=self.settings)
+            sid = run.ray_submission_id
+        self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]

@@ -1,0 +1,90 @@
+"""Domain errors carry their HTTP status; one handler renders them all the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class TuneyardError(Exception):
+    status_code = 500
+    error = "internal_error"
+
+    def __init__(self, detail: Any) -> None:
+        super().__init__(str(detail))
+        self.detail = detail
+
+
+class NotFound(TuneyardError):
+    status_code = 404
+    error = "not_found"
+
+
+class Conflict(TuneyardError):
+    status_code = 409
+    error = "conflict"
+
+
+class InvalidTransition(Conflict):
+    error = "invalid_transition"
+
+
+class Unauthorized(TuneyardError):
+    status_code = 401
+    error = "unauthorized"
+
+
+class ValidationFailed(TuneyardError):
+    """Request-level problems found after parsing (paths, files): same shape as schema errors."""
+
+    status_code = 422
+    error = "validation_error"
+
+    def __init__(self, problems: list[dict[str, str]]) -> None:
+        super().__init__(problems)
+
+
+def field_problem(field: str, message: str) -> dict[str, str]:
+    return {"field": field, "message": message}
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def _validation_problems(exc: RequestValidationError) -> list[dict[str, str]]:
+    problems = []
+    for err in exc.errors():
+        field = _field_name(tuple(err.get("loc", ())))
+        message = str(err.get("msg", "invalid"))
+        if err.get("type") == "extra_forbidden":
+            message = f"unknown field {field!r}"
+        elif message.startswith("Value error, "):
+            message = message.removeprefix("Value error, ")
+        problems.append(field_problem(field, message))
+    return problems
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TuneyardError)
+    async def _domain(_: Request, exc: TuneyardError) -> JSONResponse:
+        return JSONResponse({"error": exc.error, "detail": exc.detail}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(
+            {"error": "validation_error", "detail": _validation_problems(exc)}, status_code=422
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            {"error": "http_error", "detail": exc.detail},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )

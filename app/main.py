@@ -1,0 +1,73 @@
+"""The FastAPI application and its lifecycle: migrate, attach to Ray, dispatch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.api import health, internal, runs
+from app.db import make_engine, make_session_factory
+from app.dispatch import Dispatcher
+from app.errors import install_error_handlers
+from app.migrate import upgrade_database
+from app.ray_head import ensure_local_head, forget_local_head
+from app.ray_jobs import RayJobs
+from app.settings import Settings
+
+log = logging.getLogger("tuneyard")
+
+
+def create_app(settings: Settings | None = None, *, start_background: bool = True) -> FastAPI:
+    """`start_background=False` gives the HTTP layer alone (no Ray, no dispatcher): for tests
+    of the API and for tools that only read."""
+    settings = settings or Settings()
+    engine = make_engine(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        upgrade_database(settings.resolved_database_url)
+        settings.resolved_storage_path.mkdir(parents=True, exist_ok=True)
+        head = None
+        if start_background:
+            if settings.ray_address:
+                # A remote cluster's token comes from RAY_AUTH_TOKEN(_PATH), as Ray reads it.
+                address = settings.ray_address
+            else:
+                head = ensure_local_head(settings)
+                address = head.dashboard_url
+            app.state.jobs = RayJobs(address)
+            dispatcher = Dispatcher(
+                settings=settings, session_factory=app.state.session_factory, jobs=app.state.jobs
+            )
+            app.state.dispatcher = dispatcher
+            dispatcher.start()
+        try:
+            yield
+        finally:
+            if start_background:
+                app.state.dispatcher.stop()
+            if head is not None:
+                # A clean shutdown stops the head; after a crash it lives on to be re-attached.
+                head.stop()
+                forget_local_head(settings)
+            engine.dispose()
+
+    app = FastAPI(
+        title="tuneyard",
+        version="0.1.0",
+        summary="Fine-tune language models on Ray Train + DeepSpeed over HTTP.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.session_factory = make_session_factory(engine)
+    app.state.jobs = None
+    app.state.dispatcher = None
+    install_error_handlers(app)
+    app.include_router(runs.router)
+    app.include_router(internal.router)
+    app.include_router(health.router)
+    return app
+

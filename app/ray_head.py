@@ -1,0 +1,172 @@
+"""The embedded Ray head that `tuneyard serve` starts when no Ray address is configured.
+
+It listens on 127.0.0.1 only, with token authentication on, on free ports (Ray's default
+GCS port 6379 is Redis's on these machines). Its address is recorded under
+TUNEYARD_HOME, so a restarted service re-attaches to the head it started instead of
+starting a second one, and two services with different homes never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from app.settings import Settings
+
+log = logging.getLogger("tuneyard")
+
+STARTUP_TIMEOUT_S = 120
+_PORT_FLAGS = (
+    "--port",
+    "--dashboard-port",
+    "--ray-client-server-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+    "--node-manager-port",
+    "--object-manager-port",
+)
+
+
+@dataclass(slots=True)
+class LocalRayHead:
+    dashboard_url: str
+    gcs_address: str
+    pid: int
+    temp_dir: str
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the head and every process it started (they share its process group)."""
+        _signal_group(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _signal_group(self.pid, signal.SIGKILL)
+        log.info("stopped local Ray head (pid %d)", self.pid)
+
+
+def configure_ray_auth(settings: Settings) -> Path:
+    """Token auth for the embedded head and for this process's Ray clients.
+
+    The token lives under TUNEYARD_HOME, not in ~/.ray, so each tuneyard home has its own.
+    """
+    token_path = settings.ray_state_dir / "auth_token"
+    token_path.parent.mkdir(parents=True, exist_ok=True)
+    if not token_path.exists():
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_path)
+    return token_path
+
+
+def ensure_local_head(settings: Settings) -> LocalRayHead:
+    """Re-attach to this home's running head, or start a new one."""
+    configure_ray_auth(settings)
+    state_file = settings.ray_state_dir / "head.json"
+    if state_file.exists():
+        head = LocalRayHead(**json.loads(state_file.read_text()))
+        if _alive(head.pid) and _dashboard_up(head.dashboard_url):
+            log.info("re-attached to local Ray head at %s (pid %d)", head.dashboard_url, head.pid)
+            return head
+        state_file.unlink()
+
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    # A short temp dir of its own per home: Ray's socket paths must stay under 108 bytes.
+    digest = hashlib.sha256(str(settings.home_dir).encode()).hexdigest()[:10]
+    temp_dir = f"/tmp/tuneyard-ray-{digest}"
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [
+        str(ray_bin), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        *(f"{flag}={port}" for flag, port in ports.items()),
+    ]
+    if settings.local_ray_num_cpus:
+        cmd.append(f"--num-cpus={settings.local_ray_num_cpus}")
+    env = dict(os.environ)
+    # Job entrypoints run `python -m worker`: make that this environment's python.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log_path = settings.ray_state_dir / "head.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    head = LocalRayHead(
+        dashboard_url=f"http://127.0.0.1:{ports['--dashboard-port']}",
+        gcs_address=f"127.0.0.1:{ports['--port']}",
+        pid=proc.pid,
+        temp_dir=temp_dir,
+    )
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _dashboard_up(head.dashboard_url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            head.stop(timeout_s=5)
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the local Ray head did not start; its log ends:\n{tail}")
+        time.sleep(0.5)
+    state_file.write_text(json.dumps(asdict(head)))
+    log.info("started local Ray head at %s (pid %d)", head.dashboard_url, head.pid)
+    return head
+
+
+def forget_local_head(settings: Settings) -> None:
+    (settings.ray_state_dir / "head.json").unlink(missing_ok=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _dashboard_up(url: str) -> bool:
+    try:
+        # Any answer at all, even 401, means the dashboard is serving.
+        httpx.get(f"{url}/api/version", timeout=2.0)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still "exists"; reap it if it is ours.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

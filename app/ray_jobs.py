@@ -1,0 +1,101 @@
+"""Ray's job API as tuneyard needs it, with Ray's failures sorted into what they mean."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("tuneyard")
+
+
+class RayUnavailable(Exception):
+    """Ray could not be reached: try again later, the request itself may be fine."""
+
+
+class RayRejected(Exception):
+    """Ray answered and refused the job: trying again will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    status: str  # Ray's JobStatus value: PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED
+    message: str
+
+
+class RayJobs:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _get_client(self) -> Any:
+        from ray.job_submission import JobSubmissionClient
+
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = JobSubmissionClient(self.address)
+                except Exception as exc:  # Ray raises bare ConnectionError/RuntimeError here
+                    raise RayUnavailable(f"cannot reach Ray at {self.address}: {exc}") from exc
+            return self._client
+
+    def _drop_client(self) -> None:
+        with self._lock:
+            self._client = None
+
+    def reachable(self) -> bool:
+        try:
+            self._get_client().get_version()
+            return True
+        except Exception:
+            self._drop_client()
+            return False
+
+    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+        """Submit once; a submission id Ray already holds counts as submitted."""
+        client = self._get_client()
+        try:
+            client.submit_job(
+                entrypoint=entrypoint,
+                submission_id=submission_id,
+                runtime_env=runtime_env,
+                # The driver only coordinates; the training workers ask for the CPUs.
+                entrypoint_num_cpus=0,
+            )
+        except Exception as exc:
+            text = str(exc)
+            if "already exists" in text:
+                log.info("job %s already submitted; treating as submitted", submission_id)
+                return
+            if _is_connection_error(exc):
+                self._drop_client()
+                raise RayUnavailable(f"cannot reach Ray at {self.address}: {text}") from exc
+            raise RayRejected(text) from exc
+
+    def state(self, submission_id: str) -> JobState | None:
+        """Ray's view of a job, or None when Ray has never heard of it."""
+        client = self._get_client()
+        try:
+            info = client.get_job_info(submission_id)
+        except Exception as exc:
+            if "does not exist" in str(exc) or "404" in str(exc):
+                return None
+            self._drop_client()
+            raise RayUnavailable(f"cannot read job {submission_id} from Ray: {exc}") from exc
+        return JobState(status=str(info.status.value), message=info.message or "")
+
+    def logs(self, submission_id: str) -> str:
+        try:
+            return str(self._get_client().get_job_logs(submission_id))
+        except Exception as exc:
+            raise RayUnavailable(f"cannot read logs of {submission_id}: {exc}") from exc
+
+
+def _is_connection_error(exc: Exception) -> bool:
+    import requests
+
+    return isinstance(exc, requests.ConnectionError | ConnectionError | TimeoutError) or (
+        "Failed to connect" in str(exc) or "Connection refused" in str(exc)
+    )

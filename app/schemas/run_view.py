@@ -1,0 +1,128 @@
+"""What clients read: runs, metrics, checkpoints — shaped from the stored rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from app.models import Checkpoint, Metric, Run
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    # SQLite returns naive datetimes; everything tuneyard stores is UTC.
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+class ProgressView(BaseModel):
+    step: int
+    total_steps: int | None
+    epoch: float | None
+    fraction: float | None
+    eta_seconds: float | None
+
+
+class ErrorView(BaseModel):
+    code: str
+    message: str
+
+
+class OutputView(BaseModel):
+    model_path: str | None
+    latest_checkpoint: str | None
+
+
+class RunView(BaseModel):
+    object: str = "run"
+    id: str
+    status: str
+    attempt: int
+    ray_submission_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    spec: dict[str, Any]
+    progress: ProgressView
+    latest_metrics: dict[str, float]
+    error: ErrorView | None
+    output: OutputView
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, run: Run) -> RunView:
+        fraction = run.step / run.total_steps if run.total_steps else None
+        step_time = run.latest_metrics.get("step_time_seconds")
+        eta = (
+            (run.total_steps - run.step) * step_time
+            if run.total_steps and step_time is not None and run.status == "running"
+            else None
+        )
+        return cls(
+            id=run.id,
+            status=run.status,
+            attempt=run.attempt,
+            ray_submission_id=run.ray_submission_id,
+            created_at=as_utc(run.created_at),  # type: ignore[arg-type]
+            started_at=as_utc(run.started_at),
+            finished_at=as_utc(run.finished_at),
+            spec={**run.spec, "metadata": run.run_metadata},
+            progress=ProgressView(
+                step=run.step, total_steps=run.total_steps, epoch=run.epoch,
+                fraction=fraction, eta_seconds=eta,
+            ),
+            latest_metrics=run.latest_metrics,
+            error=ErrorView(code=run.error_code, message=run.error_message or "")
+            if run.error_code
+            else None,
+            output=OutputView(model_path=run.model_path, latest_checkpoint=run.latest_checkpoint),
+            metadata=run.run_metadata,
+        )
+
+
+class RunList(BaseModel):
+    object: str = "list"
+    data: list[RunView]
+    next_cursor: str | None
+
+
+class MetricView(BaseModel):
+    step: int
+    name: str
+    value: float
+    time: datetime
+    attempt: int
+
+    @classmethod
+    def of(cls, m: Metric) -> MetricView:
+        return cls(step=m.step, name=m.name, value=m.value, time=as_utc(m.time), attempt=m.attempt)  # type: ignore[arg-type]
+
+
+class MetricList(BaseModel):
+    object: str = "list"
+    data: list[MetricView]
+    next_cursor: str | None
+
+
+class CheckpointView(BaseModel):
+    step: int
+    epoch: float | None
+    path: str
+    kind: str
+    metrics: dict[str, float]
+    attempt: int
+    created_at: datetime
+
+    @classmethod
+    def of(cls, c: Checkpoint) -> CheckpointView:
+        return cls(
+            step=c.step, epoch=c.epoch, path=c.path, kind=c.kind, metrics=c.metrics,
+            attempt=c.attempt, created_at=as_utc(c.created_at),  # type: ignore[arg-type]
+        )
+
+
+class CheckpointList(BaseModel):
+    object: str = "list"
+    data: list[CheckpointView]

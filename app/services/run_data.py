@@ -1,0 +1,59 @@
+"""Reading what a run produced: metrics (paged) and checkpoints."""
+
+from __future__ import annotations
+
+from sqlalchemy import and_, or_, select, tuple_
+from sqlalchemy.orm import Session
+
+from app.errors import ValidationFailed, field_problem
+from app.models import Checkpoint, Metric, Run
+
+MAX_METRICS_PAGE = 10_000
+
+
+def list_metrics(
+    session: Session,
+    *,
+    run: Run,
+    name: str | None,
+    after_step: int | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[Metric], str | None]:
+    """Ordered by (step, attempt, name); the cursor is that key of the last row returned."""
+    query = select(Metric).where(Metric.run_id == run.id)
+    if name:
+        query = query.where(Metric.name == name)
+    if after_step is not None:
+        query = query.where(Metric.step > after_step)
+    if cursor:
+        step, attempt, metric_name = _decode(cursor)
+        query = query.where(
+            or_(
+                Metric.step > step,
+                and_(Metric.step == step, Metric.attempt > attempt),
+                and_(Metric.step == step, Metric.attempt == attempt, Metric.name > metric_name),
+            )
+        )
+    limit = max(1, min(limit, MAX_METRICS_PAGE))
+    order = tuple_(Metric.step, Metric.attempt, Metric.name)
+    rows = list(session.scalars(query.order_by(*order.clauses).limit(limit + 1)))
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        return rows[:limit], f"{last.step}:{last.attempt}:{last.name}"
+    return rows, None
+
+
+def _decode(cursor: str) -> tuple[int, int, str]:
+    try:
+        step, attempt, name = cursor.split(":", 2)
+        return int(step), int(attempt), name
+    except ValueError as exc:
+        raise ValidationFailed(
+            [field_problem("cursor", "cursor is not one this service issued")]
+        ) from exc
+
+
+def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:
+    query = select(Checkpoint).where(Checkpoint.run_id == run.id)
+    return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))

@@ -1,0 +1,44 @@
+"""Ray job entry point: `python -m worker`. Trains one attempt of one run.
+
+The spec, the callback URL and the per-run token arrive as environment variables set in
+the job's runtime_env. Whatever happens, the service hears how the attempt ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from worker.failures import describe_failure
+from worker.service_client import ServiceClient
+from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log = logging.getLogger("tuneyard.worker")
+    spec = RunSpec.from_env()
+    client = ServiceClient(
+        base_url=os.environ[CALLBACK_URL_ENV], token=os.environ[TOKEN_ENV],
+        run_id=spec.run_id, attempt=spec.attempt,
+    )
+    try:
+        client.status("running")
+        from worker.trainer import build_trainer
+
+        result = build_trainer(spec).fit()
+        log.info("run %s: finished, checkpoint %s", spec.run_id, result.checkpoint)
+    except BaseException as exc:  # noqa: BLE001 - any failure must reach the service
+        message = describe_failure(exc)
+        log.error("run %s: failed: %s", spec.run_id, message)
+        client.status("failed", error=message)
+        client.close()
+        return 1
+    client.status("succeeded")
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

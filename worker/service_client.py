@@ -1,0 +1,139 @@
+"""How the worker talks to the tuneyard service: status, metrics and checkpoints.
+
+Status and checkpoint posts are rare and matter, so they are sent synchronously with
+retries. Metrics are frequent, so a background thread batches them from a bounded buffer:
+a training step never waits on the network, and a service that is down for a while loses
+nothing that fits in the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("tuneyard.worker")
+
+# Enough for hours of per-step metrics of a handful of names; the oldest go first.
+METRICS_BUFFER_POINTS = 200_000
+METRICS_BATCH_POINTS = 2_000
+
+
+class ServiceClient:
+    def __init__(self, *, base_url: str, token: str, run_id: str, attempt: int) -> None:
+        self.run_id = run_id
+        self.attempt = attempt
+        self._http = httpx.Client(
+            base_url=f"{base_url.rstrip('/')}/v1/internal/runs/{run_id}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10.0,
+        )
+
+    def post(self, path: str, body: dict[str, Any], *, attempts: int = 5) -> bool:
+        """POST with exponential backoff; False only when the service could not be reached.
+
+        A 4xx answer is final (the run ended meanwhile, a bad body): it is logged and not
+        retried, since sending it again cannot succeed.
+        """
+        body = {"attempt": self.attempt, **body}
+        delay = 0.5
+        for i in range(attempts):
+            try:
+                response = self._http.post(path, json=body)
+                if response.status_code < 500:
+                    if response.status_code >= 400:
+                        # 4xx will not get better by retrying (e.g. the run ended meanwhile).
+                        log.warning(
+                            "run %s: service refused %s: %s %s",
+                            self.run_id, path, response.status_code, response.text[:300],
+                        )
+                    return True
+            except httpx.HTTPError as exc:
+                log.warning("run %s: posting %s failed: %s", self.run_id, path, exc)
+            if i < attempts - 1:
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        return False
+
+    def status(self, status: str, *, error: str | None = None, code: str | None = None) -> bool:
+        body: dict[str, Any] = {"status": status}
+        if error is not None:
+            body["error"] = {"code": code or "training_error", "message": error}
+        return self.post("/status", body, attempts=8)
+
+    def checkpoint(
+        self, *, step: int, epoch: float | None, path: str, kind: str, metrics: dict[str, float]
+    ) -> bool:
+        return self.post(
+            "/checkpoints",
+            {"step": step, "epoch": epoch, "path": path, "kind": kind, "metrics": metrics},
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class MetricsSender:
+    """Batches metric points to the service from a daemon thread; `log` never blocks."""
+
+    def __init__(self, client: ServiceClient, *, flush_interval_s: float = 1.0) -> None:
+        self._client = client
+        self._interval = flush_interval_s
+        self._buffer: deque[dict[str, Any]] = deque(maxlen=METRICS_BUFFER_POINTS)
+        self._progress: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tuneyard-metrics", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict[str, float], *, step: int, progress: dict[str, Any]) -> None:
+        now = datetime.now(UTC).isoformat()
+        with self._lock:
+            for name, value in metrics.items():
+                self._buffer.append({"step": step, "name": name, "value": value, "time": now})
+            self._progress = progress
+
+    def _take_batch(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        with self._lock:
+            n = min(len(self._buffer), METRICS_BATCH_POINTS)
+            batch = [self._buffer.popleft() for _ in range(n)]
+            return batch, self._progress
+
+    def _requeue(self, batch: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._buffer.extendleft(reversed(batch))
+
+    def _send_pending(self, *, attempts: int) -> bool:
+        while True:
+            batch, progress = self._take_batch()
+            if not batch:
+                return True
+            if not self._client.post(
+                "/metrics", {"points": batch, "progress": progress}, attempts=attempts
+            ):
+                self._requeue(batch)
+                return False
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            self._send_pending(attempts=1)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread and deliver what is left, trying for up to `timeout_s`."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._send_pending(attempts=1):
+                return
+            time.sleep(1.0)
+        log.warning("run %s: %d metric points undelivered", self._client.run_id, len(self._buffer))

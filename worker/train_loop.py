@@ -1,0 +1,192 @@
+"""The per-rank training function that Ray Train runs on every worker."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_report_checkpoint
+from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
+
+log = logging.getLogger("tuneyard.worker")
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    spec = RunSpec.from_dict(config["spec"])
+    rank = ray.train.get_context().get_world_rank()
+    sinks = _MetricSinks(spec, rank=rank)
+    try:
+        _train(spec, rank=rank, sinks=sinks)
+    finally:
+        sinks.close()
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
+    import deepspeed
+    import torch
+    from transformers import set_seed
+
+    from worker.deepspeed_config import resolve_deepspeed_config
+    from worker.model_setup import build_dataloader, build_model_and_optimizer, load_tokenizer
+
+    set_seed(spec.training.seed)
+    device = _device(spec)
+    tokenizer = load_tokenizer(spec)
+    loader = build_dataloader(spec, tokenizer, rank=rank)
+    plan = _StepPlan(spec, micro_batches_per_epoch=len(loader))
+    model, optimizer, scheduler = build_model_and_optimizer(spec, total_steps=plan.total_steps)
+    bf16_ok = bool(spec.resources.use_gpu and torch.cuda.is_bf16_supported())
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=resolve_deepspeed_config(spec, bf16_supported=bf16_ok),
+    )
+    step = restore_checkpoint(engine, spec)
+    log.info("run %s rank %d: training steps %d..%d", spec.run_id, rank, step, plan.total_steps)
+
+    batches = plan.batches_from(loader, step)
+    every = spec.checkpointing.every_n_steps
+    while step < plan.total_steps:
+        started = time.perf_counter()
+        loss_sum, tokens, samples = torch.zeros((), device=device), 0, 0
+        for _ in range(spec.training.gradient_accumulation_steps):
+            batch = {k: v.to(device) for k, v in next(batches).items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+            tokens += int(batch["attention_mask"].sum())
+            samples += batch["input_ids"].shape[0]
+        step += 1
+        if step % spec.training.log_every_n_steps == 0 or step == plan.total_steps:
+            sinks.log_step(
+                engine, step=step, epoch=plan.epoch_at(step), elapsed=time.perf_counter() - started,
+                loss_sum=loss_sum, tokens=tokens, samples=samples, total_steps=plan.total_steps,
+            )
+        if every and step % every == 0 and step < plan.total_steps:
+            save_and_report_checkpoint(engine, spec, step=step, epoch=plan.epoch_at(step),
+                                       metrics=sinks.latest)
+
+    save_and_report_checkpoint(engine, spec, step=step, epoch=plan.epoch_at(step),
+                               metrics=sinks.latest)
+    if spec.checkpointing.export_hf:
+        path = export_hf_model(engine, tokenizer, spec, rank=rank)
+        if rank == 0 and sinks.client is not None:
+            sinks.client.checkpoint(step=step, epoch=plan.epoch_at(step), path=path, kind="hf",
+                                    metrics=sinks.latest)
+
+
+def _device(spec: RunSpec) -> Any:
+    import torch
+
+    if spec.resources.use_gpu:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    return torch.device("cpu")
+
+
+class _StepPlan:
+    """Maps optimizer steps to epochs and data positions, so a resume continues exactly."""
+
+    def __init__(self, spec: RunSpec, *, micro_batches_per_epoch: int) -> None:
+        accum = spec.training.gradient_accumulation_steps
+        self.accum = accum
+        self.steps_per_epoch = micro_batches_per_epoch // accum
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset gives {micro_batches_per_epoch} batches per worker per epoch, fewer "
+                f"than gradient_accumulation_steps ({accum}): add data or lower "
+                "batch_size_per_worker, gradient_accumulation_steps or num_workers"
+            )
+        epochs = spec.training.epochs or 1
+        self.total_steps = spec.training.max_steps or epochs * self.steps_per_epoch
+
+    def epoch_at(self, step: int) -> float:
+        return round(step / self.steps_per_epoch, 4)
+
+    def batches_from(self, loader: Any, step: int) -> Iterator[dict[str, Any]]:
+        """Micro-batches from the position of `step` on, cycling epochs with a fresh shuffle."""
+        epoch, done_in_epoch = divmod(step, self.steps_per_epoch)
+        skip = done_in_epoch * self.accum
+        while True:
+            loader.sampler.set_epoch(epoch)
+            # Only whole optimizer steps per epoch, so epochs line up with steps on resume.
+            usable = self.steps_per_epoch * self.accum
+            yield from itertools.islice(loader, skip, usable)
+            skip = 0
+            epoch += 1
+
+
+class _MetricSinks:
+    """Rank 0 sends metrics to the service; every rank joins the reductions they need."""
+
+    def __init__(self, spec: RunSpec, *, rank: int) -> None:
+        from worker.service_client import MetricsSender, ServiceClient
+
+        self.spec = spec
+        self.latest: dict[str, float] = {}
+        self.client: ServiceClient | None = None
+        self.sender: MetricsSender | None = None
+        if rank == 0:
+            self.client = ServiceClient(
+                base_url=os.environ[CALLBACK_URL_ENV], token=os.environ[TOKEN_ENV],
+                run_id=spec.run_id, attempt=spec.attempt,
+            )
+            self.sender = MetricsSender(self.client)
+
+    def log_step(
+        self, engine: Any, *, step: int, epoch: float, elapsed: float, loss_sum: Any,
+        tokens: int, samples: int, total_steps: int,
+    ) -> None:
+        import psutil
+        import torch
+        import torch.distributed as dist
+
+        accum = self.spec.training.gradient_accumulation_steps
+        # One all-reduce for all three, so the logged loss is the global mean, not rank 0's.
+        totals = torch.stack(
+            [loss_sum.to(torch.float64).cpu(), torch.tensor(float(tokens), dtype=torch.float64),
+             torch.tensor(float(samples), dtype=torch.float64)]
+        )
+        if dist.is_initialized():
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+            world = dist.get_world_size()
+        else:
+            world = 1
+        metrics = {
+            "loss": float(totals[0]) / (accum * world),
+            "learning_rate": float(engine.get_lr()[0]),
+            "tokens_per_second": float(totals[1]) / elapsed,
+            "samples_per_second": float(totals[2]) / elapsed,
+            "step_time_seconds": elapsed,
+            "epoch": epoch,
+            "memory_rss_bytes": float(psutil.Process().memory_info().rss),
+        }
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if torch.cuda.is_available():
+            metrics["gpu_memory_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+        self.latest = metrics
+        if self.sender is not None:
+            self.sender.log(
+                metrics, step=step,
+                progress={"step": step, "total_steps": total_steps, "epoch": epoch},
+            )
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.client is not None:
+            self.client.close()
