@@ -1,0 +1,226 @@
+"""What workers post back (/v1/internal/runs/…), on a real database, without Ray."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.dispatch import Dispatcher
+from app.ray_jobs import JobState
+from app.settings import Settings
+from tests.factories import run_request
+
+
+class RecordingRay:
+    """Stands in for Ray where a test needs a submitted job but no cluster."""
+
+    address = "http://ray.invalid"
+
+    def __init__(self) -> None:
+        self.submitted: list[dict[str, Any]] = []
+
+    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+        self.submitted.append(
+            {"submission_id": submission_id, "entrypoint": entrypoint, "runtime_env": runtime_env}
+        )
+
+    def state(self, submission_id: str) -> JobState | None:
+        return JobState(status="RUNNING", message="")
+
+
+def start_run(
+    client: TestClient, auth: dict[str, str], root: Path, settings: Settings,
+    session_factory: sessionmaker[Session],
+) -> tuple[str, str]:
+    """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
+    run_id = client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"]
+    ray = RecordingRay()
+    Dispatcher(settings=settings, session_factory=session_factory, jobs=ray).dispatch_queued_runs()  # type: ignore[arg-type]
+    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+    return run_id, token
+
+
+@pytest.fixture
+def started(
+    client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
+    session_factory: sessionmaker[Session],
+) -> tuple[str, dict[str, str]]:
+    run_id, token = start_run(client, auth, tmp_path, settings, session_factory)
+    return run_id, {"Authorization": f"Bearer {token}"}
+
+
+def _points(steps: range, name: str = "loss", base: float = 5.0) -> list[dict[str, Any]]:
+    now = datetime.now(UTC).isoformat()
+    return [{"step": s, "name": name, "value": base - s * 0.1, "time": now} for s in steps]
+
+
+class TestStatusCallback:
+    def test_running_then_succeeded(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "starting"
+
+        r = client.post(f"/v1/internal/runs/{run_id}/status",
+                        json={"attempt": 1, "status": "running"}, headers=worker)
+        assert r.status_code == 200, r.text
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["status"] == "running"
+        assert run["started_at"] is not None
+
+        client.post(f"/v1/internal/runs/{run_id}/status",
+                    json={"attempt": 1, "status": "succeeded"}, headers=worker)
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["status"] == "succeeded"
+        assert run["finished_at"] is not None
+
+    def test_failed_carries_the_error(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        error = {"code": "training_error", "message": "dataset has no field 'text'"}
+        client.post(f"/v1/internal/runs/{run_id}/status",
+                    json={"attempt": 1, "status": "failed", "error": error}, headers=worker)
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["status"] == "failed"
+        assert run["error"] == error
+
+    def test_a_finished_run_no_longer_accepts_its_token(
+        self, client: TestClient, started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        client.post(f"/v1/internal/runs/{run_id}/status",
+                    json={"attempt": 1, "status": "succeeded"}, headers=worker)
+        late = client.post(f"/v1/internal/runs/{run_id}/status",
+                           json={"attempt": 1, "status": "running"}, headers=worker)
+        assert late.status_code == 401
+
+    def test_wrong_token_is_401(self, client: TestClient, started: tuple[str, dict[str, str]]) -> None:
+        run_id, _ = started
+        for headers in ({}, {"Authorization": "Bearer rt_wrong"}):
+            r = client.post(f"/v1/internal/runs/{run_id}/status",
+                            json={"attempt": 1, "status": "running"}, headers=headers)
+            assert r.status_code == 401
+
+    def test_a_token_is_good_for_its_own_run_only(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
+        session_factory: sessionmaker[Session], started: tuple[str, dict[str, str]],
+    ) -> None:
+        first_id, first_worker = started
+        (tmp_path / "other").mkdir()
+        second_id, _ = start_run(client, auth, tmp_path / "other", settings, session_factory)
+        r = client.post(f"/v1/internal/runs/{second_id}/status",
+                        json={"attempt": 1, "status": "running"}, headers=first_worker)
+        assert r.status_code == 401
+        assert client.get(f"/v1/runs/{second_id}", headers=auth).json()["status"] == "starting"
+
+    def test_an_old_attempt_is_409(
+        self, client: TestClient, started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        r = client.post(f"/v1/internal/runs/{run_id}/status",
+                        json={"attempt": 0, "status": "running"}, headers=worker)
+        assert r.status_code == 409
+
+
+class TestMetricsCallback:
+    def test_stored_once_per_step_and_name(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        body = {"attempt": 1, "points": _points(range(1, 6)),
+                "progress": {"step": 5, "total_steps": 10, "epoch": 0.5}}
+        for _ in range(2):  # a retried post must not duplicate anything
+            r = client.post(f"/v1/internal/runs/{run_id}/metrics", json=body, headers=worker)
+            assert r.status_code == 200, r.text
+
+        data = client.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
+        assert [(m["step"], m["name"]) for m in data] == [(s, "loss") for s in range(1, 6)]
+        assert data[-1]["value"] == pytest.approx(4.5)
+
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["progress"]["step"] == 5
+        assert run["progress"]["total_steps"] == 10
+        assert run["progress"]["fraction"] == pytest.approx(0.5)
+        assert run["latest_metrics"]["loss"] == pytest.approx(4.5)
+
+    def test_out_of_order_posts_keep_the_latest_step(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        late = {"attempt": 1, "points": _points(range(6, 8)), "progress": {"step": 7}}
+        early = {"attempt": 1, "points": _points(range(1, 3)), "progress": {"step": 2}}
+        client.post(f"/v1/internal/runs/{run_id}/metrics", json=late, headers=worker)
+        client.post(f"/v1/internal/runs/{run_id}/metrics", json=early, headers=worker)
+
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["progress"]["step"] == 7
+        assert run["latest_metrics"]["loss"] == pytest.approx(5.0 - 0.7)
+        steps = [m["step"] for m in client.get(f"/v1/runs/{run_id}/metrics",
+                                               headers=auth).json()["data"]]
+        assert steps == [1, 2, 6, 7]
+
+    def test_filter_and_paginate(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        points = _points(range(1, 11)) + _points(range(1, 11), name="learning_rate", base=1.0)
+        client.post(f"/v1/internal/runs/{run_id}/metrics",
+                    json={"attempt": 1, "points": points}, headers=worker)
+
+        url = f"/v1/runs/{run_id}/metrics"
+        only_loss = client.get(url, params={"name": "loss", "after_step": 7}, headers=auth).json()
+        assert [(m["name"], m["step"]) for m in only_loss["data"]] == [
+            ("loss", 8), ("loss", 9), ("loss", 10)
+        ]
+
+        collected, cursor = [], None
+        while True:
+            params: dict[str, Any] = {"limit": 3}
+            if cursor:
+                params["cursor"] = cursor
+            page = client.get(url, params=params, headers=auth).json()
+            collected += [(m["step"], m["name"]) for m in page["data"]]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        assert len(collected) == 20
+        assert len(set(collected)) == 20
+        assert collected == sorted(collected)
+
+
+class TestCheckpointCallback:
+    def test_recorded_and_shown_on_the_run(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        ds = {"attempt": 1, "step": 5, "epoch": 0.5, "path": "/storage/run/checkpoint_5",
+              "kind": "deepspeed", "metrics": {"loss": 4.0}}
+        hf = {**ds, "path": "/storage/run/export", "kind": "hf"}
+        for body in (ds, ds, hf):  # the repeat is a retry: stored once
+            r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
+            assert r.status_code == 200, r.text
+
+        listed = client.get(f"/v1/runs/{run_id}/checkpoints", headers=auth).json()["data"]
+        assert [(c["kind"], c["path"], c["step"]) for c in listed] == [
+            ("deepspeed", "/storage/run/checkpoint_5", 5),
+            ("hf", "/storage/run/export", 5),
+        ]
+        assert listed[0]["metrics"] == {"loss": 4.0}
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert run["output"] == {
+            "model_path": "/storage/run/export", "latest_checkpoint": "/storage/run/checkpoint_5"
+        }
+
+    def test_unknown_kind_is_422(
+        self, client: TestClient, started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        body = {"attempt": 1, "step": 5, "path": "/x", "kind": "pickle"}
+        r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
+        assert r.status_code == 422

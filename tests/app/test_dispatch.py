@@ -1,0 +1,244 @@
+"""The dispatcher and reconciler on a real database, with a stand-in for Ray's answers.
+
+A real Ray cluster cannot be made to refuse a job or to vanish on cue; the stand-in
+answers the way Ray's JobSubmissionClient does in those cases (see app/ray_jobs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.dispatch import WORKER_PACKAGE, Dispatcher
+from app.models import Event, Run, utcnow
+from app.ray_jobs import JobState, RayRejected, RayUnavailable
+from app.security import hash_secret
+from app.settings import Settings
+from tests.factories import run_request
+
+
+class ScriptedRay:
+    address = "http://ray.invalid"
+
+    def __init__(self) -> None:
+        self.submitted: list[dict[str, Any]] = []
+        self.fail_with: Exception | None = None
+        self.states: dict[str, JobState | None] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+        with self._lock:
+            self.submitted.append({"submission_id": submission_id, "entrypoint": entrypoint,
+                                   "runtime_env": runtime_env})
+
+    def state(self, submission_id: str) -> JobState | None:
+        return self.states.get(submission_id, JobState(status="RUNNING", message=""))
+
+
+@pytest.fixture
+def ray() -> ScriptedRay:
+    return ScriptedRay()
+
+
+@pytest.fixture
+def dispatcher(settings: Settings, session_factory: sessionmaker[Session], ray: ScriptedRay) -> Dispatcher:
+    return Dispatcher(settings=settings, session_factory=session_factory, jobs=ray)  # type: ignore[arg-type]
+
+
+def _create(client: TestClient, auth: dict[str, str], root: Path) -> str:
+    return str(client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"])
+
+
+def _run(session_factory: sessionmaker[Session], run_id: str) -> Run:
+    with session_factory() as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        return run
+
+
+def _events(session_factory: sessionmaker[Session], run_id: str) -> list[Event]:
+    with session_factory() as session:
+        return list(session.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.id)))
+
+
+class TestDispatch:
+    def test_submits_a_queued_run_with_everything_the_worker_needs(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
+        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+    ) -> None:
+        run_id = _create(client, auth, tmp_path)
+        assert dispatcher.dispatch_queued_runs() == 1
+
+        (job,) = ray.submitted
+        assert job["submission_id"] == f"{run_id}-1"
+        assert job["entrypoint"] == "python -m worker"
+        env = job["runtime_env"]
+        assert env["py_modules"] == [str(WORKER_PACKAGE)]
+        spec = json.loads(env["env_vars"]["TUNEYARD_RUN_SPEC"])
+        assert spec["run_id"] == run_id
+        assert spec["attempt"] == 1
+        assert spec["storage_path"] == str(settings.resolved_storage_path)
+        assert spec["model"] == str((tmp_path / "model").resolve())
+        assert "metadata" not in spec
+        assert env["env_vars"]["TUNEYARD_CALLBACK_URL"] == settings.resolved_callback_url
+        assert env["env_vars"]["DS_ACCELERATOR"] == "cpu"
+
+        run = _run(session_factory, run_id)
+        assert run.status == "starting"
+        assert run.ray_submission_id == f"{run_id}-1"
+        # Only the token's hash is stored.
+        assert run.callback_token_hash == hash_secret(env["env_vars"]["TUNEYARD_RUN_TOKEN"])
+
+    def test_the_worker_spec_parses_as_the_worker_reads_it(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        dispatcher: Dispatcher, ray: ScriptedRay,
+    ) -> None:
+        from worker.spec import RunSpec
+
+        _create(client, auth, tmp_path)
+        dispatcher.dispatch_queued_runs()
+        spec = RunSpec.from_dict(
+            json.loads(ray.submitted[0]["runtime_env"]["env_vars"]["TUNEYARD_RUN_SPEC"])
+        )
+        assert spec.training.max_steps == 5
+        assert spec.deepspeed.zero_stage == 2
+
+    def test_ray_unreachable_leaves_the_run_queued_then_it_goes(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+    ) -> None:
+        run_id = _create(client, auth, tmp_path)
+        ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
+        dispatcher.dispatch_queued_runs()
+
+        assert _run(session_factory, run_id).status == "queued"
+        assert any("Ray unavailable" in e.message for e in _events(session_factory, run_id))
+
+        ray.fail_with = None
+        dispatcher.dispatch_queued_runs()
+        assert _run(session_factory, run_id).status == "starting"
+        assert [j["submission_id"] for j in ray.submitted] == [f"{run_id}-1"]
+
+    def test_ray_rejecting_the_job_fails_the_run_with_its_message(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+    ) -> None:
+        run_id = _create(client, auth, tmp_path)
+        ray.fail_with = RayRejected("runtime_env py_modules: bad package")
+        dispatcher.dispatch_queued_runs()
+
+        run = _run(session_factory, run_id)
+        assert run.status == "failed"
+        assert run.error_code == "ray_rejected"
+        assert "bad package" in (run.error_message or "")
+
+    def test_concurrent_dispatchers_submit_each_run_once(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
+        session_factory: sessionmaker[Session], ray: ScriptedRay,
+    ) -> None:
+        ids = []
+        for i in range(6):
+            (tmp_path / str(i)).mkdir()
+            ids.append(_create(client, auth, tmp_path / str(i)))
+        peers = [
+            Dispatcher(settings=settings, session_factory=session_factory, jobs=ray)  # type: ignore[arg-type]
+            for _ in range(3)
+        ]
+        threads = [threading.Thread(target=p.dispatch_queued_runs) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(j["submission_id"] for j in ray.submitted) == sorted(f"{i}-1" for i in ids)
+
+
+class TestReconcile:
+    @pytest.fixture
+    def run_id(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, dispatcher: Dispatcher
+    ) -> str:
+        run_id = _create(client, auth, tmp_path)
+        dispatcher.dispatch_queued_runs()
+        return run_id
+
+    def test_ray_failed_fails_the_run_with_rays_message(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        ray.states[f"{run_id}-1"] = JobState(status="FAILED", message="exit code 1: OOM")
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert run.status == "failed"
+        assert run.error_code == "job_failed"
+        assert "OOM" in (run.error_message or "")
+
+    def test_ray_succeeded_settles_a_run_whose_callback_was_lost(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        ray.states[f"{run_id}-1"] = JobState(status="SUCCEEDED", message="")
+        dispatcher.reconcile_live_runs()
+        assert _run(session_factory, run_id).status == "succeeded"
+
+    def test_ray_stopped_fails_a_run_nobody_cancelled(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        ray.states[f"{run_id}-1"] = JobState(status="STOPPED", message="stopped by operator")
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert run.status == "failed"
+        assert run.error_code == "stopped"
+
+    def test_a_running_job_ray_forgot_is_lost(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        with session_factory.begin() as session:
+            session.execute(update(Run).where(Run.id == run_id).values(status="running"))
+        ray.states[f"{run_id}-1"] = None
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert run.status == "failed"
+        assert run.error_code == "lost"
+
+    def test_a_starting_run_ray_never_received_is_resubmitted_under_the_same_id(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        ray.states[f"{run_id}-1"] = None
+        dispatcher.reconcile_live_runs()
+        assert len(ray.submitted) == 1, "a fresh `starting` run may still be mid-submit"
+
+        with session_factory.begin() as session:
+            session.execute(
+                update(Run).where(Run.id == run_id)
+                .values(updated_at=utcnow() - timedelta(minutes=5))
+            )
+        dispatcher.reconcile_live_runs()
+        assert [j["submission_id"] for j in ray.submitted] == [f"{run_id}-1", f"{run_id}-1"]
+        run = _run(session_factory, run_id)
+        assert run.status == "starting"
+        new_token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+        assert run.callback_token_hash == hash_secret(new_token)
+
+    def test_ray_unreachable_changes_nothing(
+        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        ray: ScriptedRay, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        def down(_: str) -> None:
+            raise RayUnavailable("down")
+
+        monkeypatch.setattr(ray, "state", down)
+        dispatcher.reconcile_live_runs()
+        assert _run(session_factory, run_id).status == "starting"

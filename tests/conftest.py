@@ -1,0 +1,129 @@
+"""Shared fixtures: a real database per test (SQLite file and PostgreSQL), the app, keys."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import make_engine, make_session_factory, transaction
+from app.main import create_app
+from app.migrate import upgrade_database
+from app.models import Base
+from app.services.api_keys import create_api_key
+from app.settings import Settings
+
+# The PostgreSQL server tests run against; each test session makes its own database in it.
+POSTGRES_ADMIN_URL = os.environ.get(
+    "TUNEYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def _postgres_reachable() -> bool:
+    try:
+        engine = create_engine(POSTGRES_ADMIN_URL, connect_args={"connect_timeout": 3})
+        with engine.connect():
+            pass
+        engine.dispose()
+        return True
+    except Exception:
+        return False
+
+
+def create_postgres_database() -> str:
+    """A fresh, empty database; its URL."""
+    name = f"tuneyard_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_postgres_database(url: str) -> None:
+    name = make_url(url).database
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """One migrated PostgreSQL database for the session; tests empty it between them."""
+    if not _postgres_reachable():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_ADMIN_URL}")
+        pytest.skip(f"PostgreSQL is not reachable at {POSTGRES_ADMIN_URL}")
+    url = create_postgres_database()
+    upgrade_database(url)
+    yield url
+    drop_postgres_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Every data-layer and API test runs on a real SQLite file and a real PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tuneyard.db'}"
+        return
+    url: str = request.getfixturevalue("postgres_url")
+    yield url
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {names} CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str) -> Settings:
+    home = tmp_path / "home"
+    home.mkdir()
+    return Settings(home=home, database_url=database_url, allowed_roots=str(tmp_path))
+
+
+@pytest.fixture
+def session_factory(settings: Settings) -> Iterator[sessionmaker[Session]]:
+    upgrade_database(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    """The HTTP layer on a real database, without Ray or the dispatcher."""
+    with TestClient(create_app(settings, start_background=False)) as test_client:
+        yield test_client
+
+
+def make_api_key(session_factory: sessionmaker[Session], name: str = "team-a") -> str:
+    with transaction(session_factory) as session:
+        _, secret = create_api_key(session, name=name)
+    return secret
+
+
+@pytest.fixture
+def api_key(client: TestClient, session_factory: sessionmaker[Session]) -> str:
+    return make_api_key(session_factory)
+
+
+@pytest.fixture
+def auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 and tokenizer, built once per test session."""
+    from app.tiny_assets import build_tiny_gpt2
+
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
