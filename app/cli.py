@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import typer
 
@@ -30,7 +31,9 @@ def serve(
     from app.main import create_app
 
     _configure_logging()
-    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in {"host": host, "port": port}.items() if v is not None
+    }
     settings = Settings(**overrides)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 

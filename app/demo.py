@@ -34,12 +34,15 @@ def run_demo(*, steps: int, port: int | None) -> int:
     log_path = settings.home_dir / "demo-service.log"
     with open(log_path, "ab") as log_file:
         server = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"], env=env, stdout=log_file,
+            [sys.executable, "-m", "app", "serve"],
+            env=env,
+            stdout=log_file,
             stderr=subprocess.STDOUT,
         )
     try:
-        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {api_key}"},
-                          timeout=30) as http:
+        with httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+        ) as http:
             _wait_ready(http, server, log_path)
             return _submit_and_watch(http, model_dir=model_dir, data_file=data_file, steps=steps)
     finally:
@@ -98,8 +101,14 @@ def _submit_and_watch(http: httpx.Client, *, model_dir: Path, data_file: Path, s
     request = {
         "model": str(model_dir),
         "dataset": {"source": str(data_file), "text_field": "text"},
-        "training": {"max_steps": steps, "learning_rate": 3e-3, "batch_size_per_worker": 8,
-                     "seq_length": 64, "lr_scheduler": "cosine", "warmup_steps": 3},
+        "training": {
+            "max_steps": steps,
+            "learning_rate": 3e-3,
+            "batch_size_per_worker": 8,
+            "seq_length": 64,
+            "lr_scheduler": "cosine",
+            "warmup_steps": 3,
+        },
         "deepspeed": {"zero_stage": 2},
         "resources": {"num_workers": 2},
         "checkpointing": {"export_hf": True},
@@ -118,8 +127,12 @@ def _submit_and_watch(http: httpx.Client, *, model_dir: Path, data_file: Path, s
 
 
 def _watch(http: httpx.Client, run_id: str) -> dict[str, Any]:
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("queued", total=None, info="")
         while True:
@@ -128,18 +141,27 @@ def _watch(http: httpx.Client, run_id: str) -> dict[str, Any]:
             info = f"step {p['step']}/{p['total_steps'] or '?'}"
             if "loss" in m:
                 info += f"  loss {m['loss']:.3f}  {m.get('tokens_per_second', 0):.0f} tok/s"
-            progress.update(task, description=run["status"], total=p["total_steps"],
-                            completed=p["step"], info=info)
+            progress.update(
+                task,
+                description=run["status"],
+                total=p["total_steps"],
+                completed=p["step"],
+                info=info,
+            )
             if run["status"] in TERMINAL:
                 return run
             time.sleep(1)
 
 
 def _show_result(http: httpx.Client, run: dict[str, Any]) -> None:
-    losses = [m["value"] for m in http.get(f"/v1/runs/{run['id']}/metrics",
-                                           params={"name": "loss"}).json()["data"]]
-    console.print(f"[green]Succeeded.[/] loss {losses[0]:.3f} → {losses[-1]:.3f} "
-                  f"over {len(losses)} logged steps")
+    losses = [
+        m["value"]
+        for m in http.get(f"/v1/runs/{run['id']}/metrics", params={"name": "loss"}).json()["data"]
+    ]
+    console.print(
+        f"[green]Succeeded.[/] loss {losses[0]:.3f} → {losses[-1]:.3f} "
+        f"over {len(losses)} logged steps"
+    )
     for ckpt in http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]:
         console.print(f"  {ckpt['kind']:9} step {ckpt['step']:>4}  {ckpt['path']}")
     model_path = run["output"]["model_path"]
@@ -147,10 +169,11 @@ def _show_result(http: httpx.Client, run: dict[str, Any]) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path)
         prompt = tokenizer("The Lions", return_tensors="pt")
-        out = model.generate(**prompt, max_new_tokens=12, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         console.print(f"Exported model: [bold]{model_path}[/]")
         console.print(f"Sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
 

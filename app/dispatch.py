@@ -133,8 +133,13 @@ class Dispatcher:
         run = session.get(Run, run_id, populate_existing=True)
         assert run is not None
         run.ray_submission_id = submission_id(run)
-        record_event(session, run, type="status", status=RunStatus.STARTING,
-                     message=f"submitting Ray job {run.ray_submission_id}")
+        record_event(
+            session,
+            run,
+            type="status",
+            status=RunStatus.STARTING,
+            message=f"submitting Ray job {run.ray_submission_id}",
+        )
         return run
 
     def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> None:
@@ -146,8 +151,12 @@ class Dispatcher:
             self._settle(run_id, RunStatus.QUEUED, message=f"Ray unavailable, will retry: {exc}")
         except RayRejected as exc:
             log.error("run %s: Ray rejected the job: %s", run_id, exc)
-            self._settle(run_id, RunStatus.FAILED, error_code="ray_rejected",
-                         error_message=f"Ray rejected the job: {exc}")
+            self._settle(
+                run_id,
+                RunStatus.FAILED,
+                error_code="ray_rejected",
+                error_message=f"Ray rejected the job: {exc}",
+            )
 
     def _settle(self, run_id: str, new: RunStatus, **kwargs: Any) -> None:
         with transaction(self.session_factory) as session:
@@ -177,16 +186,32 @@ class Dispatcher:
             if seen.status == RunStatus.STARTING and updated and utcnow() - updated > SUBMIT_GRACE:
                 self._resubmit(seen.id)
             elif seen.status != RunStatus.STARTING:
-                self._settle(seen.id, RunStatus.FAILED, error_code="lost",
-                             error_message="Ray no longer knows this run's job (the head restarted?)")
+                self._settle(
+                    seen.id,
+                    RunStatus.FAILED,
+                    error_code="lost",
+                    error_message="Ray no longer knows this run's job (the head restarted?)",
+                )
             return
         if state.status == "FAILED":
-            self._settle(seen.id, RunStatus.FAILED, error_code="job_failed",
-                         error_message=f"the Ray job failed: {state.message}")
+            self._settle(
+                seen.id,
+                RunStatus.FAILED,
+                error_code="job_failed",
+                error_message=f"the Ray job failed: {state.message}",
+            )
         elif state.status == "STOPPED":
-            target = RunStatus.CANCELLED if seen.status == RunStatus.CANCELLING else RunStatus.FAILED
-            self._settle(seen.id, target, error_code=None if target == RunStatus.CANCELLED else "stopped",
-                         error_message=None if target == RunStatus.CANCELLED else f"the Ray job was stopped: {state.message}")
+            target = (
+                RunStatus.CANCELLED if seen.status == RunStatus.CANCELLING else RunStatus.FAILED
+            )
+            self._settle(
+                seen.id,
+                target,
+                error_code=None if target == RunStatus.CANCELLED else "stopped",
+                error_message=None
+                if target == RunStatus.CANCELLED
+                else f"the Ray job was stopped: {state.message}",
+            )
         elif state.status == "SUCCEEDED":
             # The entry point exits 0 only after training and export finished.
             self._settle(seen.id, RunStatus.SUCCEEDED, message="settled from Ray's job status")
@@ -199,7 +224,9 @@ class Dispatcher:
             if run is None or run.status != RunStatus.STARTING:
                 return
             run.callback_token_hash = hash_secret(token)
-            record_event(session, run, type="message", message="Ray never received the job; resubmitting")
+            record_event(
+                session, run, type="message", message="Ray never received the job; resubmitting"
+            )
             runtime_env = build_runtime_env(run, token=token, settings=self.settings)
             sid = run.ray_submission_id
         self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]

@@ -70,4 +70,3 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
     app.include_router(internal.router)
     app.include_router(health.router)
     return app
-

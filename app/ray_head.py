@@ -8,6 +8,7 @@ starting a second one, and two services with different homes never collide.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -91,9 +92,15 @@ def ensure_local_head(settings: Settings) -> LocalRayHead:
     temp_dir = f"/tmp/tuneyard-ray-{digest}"
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [
-        str(ray_bin), "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
         *(f"{flag}={port}" for flag, port in ports.items()),
     ]
     if settings.local_ray_num_cpus:
@@ -166,7 +173,5 @@ def _alive(pid: int) -> bool:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

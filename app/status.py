@@ -21,9 +21,7 @@ class RunStatus(StrEnum):
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
 
 _ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
-    RunStatus.QUEUED: frozenset(
-        {RunStatus.STARTING, RunStatus.FAILED, RunStatus.CANCELLED}
-    ),
+    RunStatus.QUEUED: frozenset({RunStatus.STARTING, RunStatus.FAILED, RunStatus.CANCELLED}),
     # A fast job can finish before the dispatcher sees it RUNNING, hence starting → terminal.
     RunStatus.STARTING: frozenset(
         {
@@ -34,9 +32,7 @@ _ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
             RunStatus.FAILED,
         }
     ),
-    RunStatus.RUNNING: frozenset(
-        {RunStatus.CANCELLING, RunStatus.SUCCEEDED, RunStatus.FAILED}
-    ),
+    RunStatus.RUNNING: frozenset({RunStatus.CANCELLING, RunStatus.SUCCEEDED, RunStatus.FAILED}),
     RunStatus.CANCELLING: frozenset({RunStatus.CANCELLED, RunStatus.FAILED, RunStatus.SUCCEEDED}),
     # Terminal states never change, except that resume starts a new attempt.
     RunStatus.FAILED: frozenset({RunStatus.QUEUED}),

@@ -29,8 +29,12 @@ def news_lines(n: int, *, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [
         rng.choice(_TEMPLATES).format(
-            team=rng.choice(_TEAMS), team2=rng.choice(_TEAMS), city=rng.choice(_CITIES),
-            company=rng.choice(_COMPANIES), day=rng.choice(_DAYS), n=rng.randint(1, 9),
+            team=rng.choice(_TEAMS),
+            team2=rng.choice(_TEAMS),
+            city=rng.choice(_CITIES),
+            company=rng.choice(_COMPANIES),
+            day=rng.choice(_DAYS),
+            n=rng.randint(1, 9),
         )
         for _ in range(n)
     ]
@@ -52,13 +56,17 @@ def build_tokenizer(folder: Path, *, vocab_size: int = 512) -> object:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(news_lines(4000, seed=1), trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<pad>",
     )
     wrapped.save_pretrained(folder)
     return wrapped
@@ -73,7 +81,10 @@ def build_tiny_gpt2(folder: Path, *, n_positions: int = 128) -> Path:
     tokenizer = build_tokenizer(folder)
     config = GPT2Config(
         vocab_size=len(tokenizer),  # type: ignore[arg-type]
-        n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+        n_positions=n_positions,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
         bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
         eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
         pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]

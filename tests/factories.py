@@ -24,8 +24,12 @@ def run_request(root: Path, **overrides: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": str(model),
         "dataset": {"source": str(data), "text_field": "text"},
-        "training": {"max_steps": 5, "learning_rate": 1e-3, "batch_size_per_worker": 2,
-                     "seq_length": 32},
+        "training": {
+            "max_steps": 5,
+            "learning_rate": 1e-3,
+            "batch_size_per_worker": 2,
+            "seq_length": 32,
+        },
         "deepspeed": {"zero_stage": 2},
         "resources": {"num_workers": 2},
     }

@@ -20,8 +20,10 @@ def main() -> int:
     log = logging.getLogger("tuneyard.worker")
     spec = RunSpec.from_env()
     client = ServiceClient(
-        base_url=os.environ[CALLBACK_URL_ENV], token=os.environ[TOKEN_ENV],
-        run_id=spec.run_id, attempt=spec.attempt,
+        base_url=os.environ[CALLBACK_URL_ENV],
+        token=os.environ[TOKEN_ENV],
+        run_id=spec.run_id,
+        attempt=spec.attempt,
     )
     try:
         client.status("running")
@@ -29,7 +31,7 @@ def main() -> int:
 
         result = build_trainer(spec).fit()
         log.info("run %s: finished, checkpoint %s", spec.run_id, result.checkpoint)
-    except BaseException as exc:  # noqa: BLE001 - any failure must reach the service
+    except BaseException as exc:
         message = describe_failure(exc)
         log.error("run %s: failed: %s", spec.run_id, message)
         client.status("failed", error=message)

@@ -27,9 +27,15 @@ def load_raw_dataset(spec: DatasetSpec) -> Any:
 
     if is_local_source(spec.source):
         path = Path(spec.source).expanduser()
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS) if path.is_dir() else [path]
+        files = (
+            sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS)
+            if path.is_dir()
+            else [path]
+        )
         if not files:
-            raise ValueError(f"dataset.source {spec.source!r} holds no .jsonl, .csv or .parquet file")
+            raise ValueError(
+                f"dataset.source {spec.source!r} holds no .jsonl, .csv or .parquet file"
+            )
         builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
         if len(builders) != 1 or None in builders:
             raise ValueError(

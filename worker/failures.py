@@ -33,7 +33,11 @@ def _root_message(exc: BaseException) -> str:
     # RayTaskError's text is a whole traceback; its last line names the real error.
     lines = [line for line in text.splitlines() if line.strip()]
     last = lines[-1] if lines else ""
-    return f"{type(exc).__name__}: {last}" if last and type(exc).__name__ not in last else last or type(exc).__name__
+    return (
+        f"{type(exc).__name__}: {last}"
+        if last and type(exc).__name__ not in last
+        else last or type(exc).__name__
+    )
 
 
 def _truncate(text: str) -> str:

@@ -44,8 +44,12 @@ def build_dataloader(spec: RunSpec, tokenizer: Any, *, rank: int) -> Any:
 
     dp_size = spec.data_parallel_size
     dp_rank = rank // spec.deepspeed.tensor_parallel_size
-    sampler = DistributedSampler(
-        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=spec.training.seed,
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset,
+        num_replicas=dp_size,
+        rank=dp_rank,
+        shuffle=True,
+        seed=spec.training.seed,
         drop_last=True,
     )
     return DataLoader(
@@ -68,7 +72,8 @@ def build_model_and_optimizer(spec: RunSpec, *, total_steps: int) -> tuple[Any, 
 
     tr = spec.training
     # No weight decay on biases and norms, as in every reference LM recipe.
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)

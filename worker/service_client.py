@@ -50,7 +50,10 @@ class ServiceClient:
                         # 4xx will not get better by retrying (e.g. the run ended meanwhile).
                         log.warning(
                             "run %s: service refused %s: %s %s",
-                            self.run_id, path, response.status_code, response.text[:300],
+                            self.run_id,
+                            path,
+                            response.status_code,
+                            response.text[:300],
                         )
                     return True
             except httpx.HTTPError as exc:

@@ -70,20 +70,29 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
         step += 1
         if step % spec.training.log_every_n_steps == 0 or step == plan.total_steps:
             sinks.log_step(
-                engine, step=step, epoch=plan.epoch_at(step), elapsed=time.perf_counter() - started,
-                loss_sum=loss_sum, tokens=tokens, samples=samples, total_steps=plan.total_steps,
+                engine,
+                step=step,
+                epoch=plan.epoch_at(step),
+                elapsed=time.perf_counter() - started,
+                loss_sum=loss_sum,
+                tokens=tokens,
+                samples=samples,
+                total_steps=plan.total_steps,
             )
         if every and step % every == 0 and step < plan.total_steps:
-            save_and_report_checkpoint(engine, spec, step=step, epoch=plan.epoch_at(step),
-                                       metrics=sinks.latest)
+            save_and_report_checkpoint(
+                engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
+            )
 
-    save_and_report_checkpoint(engine, spec, step=step, epoch=plan.epoch_at(step),
-                               metrics=sinks.latest)
+    save_and_report_checkpoint(
+        engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
+    )
     if spec.checkpointing.export_hf:
         path = export_hf_model(engine, tokenizer, spec, rank=rank)
         if rank == 0 and sinks.client is not None:
-            sinks.client.checkpoint(step=step, epoch=plan.epoch_at(step), path=path, kind="hf",
-                                    metrics=sinks.latest)
+            sinks.client.checkpoint(
+                step=step, epoch=plan.epoch_at(step), path=path, kind="hf", metrics=sinks.latest
+            )
 
 
 def _device(spec: RunSpec) -> Any:
@@ -140,14 +149,24 @@ class _MetricSinks:
         self.sender: MetricsSender | None = None
         if rank == 0:
             self.client = ServiceClient(
-                base_url=os.environ[CALLBACK_URL_ENV], token=os.environ[TOKEN_ENV],
-                run_id=spec.run_id, attempt=spec.attempt,
+                base_url=os.environ[CALLBACK_URL_ENV],
+                token=os.environ[TOKEN_ENV],
+                run_id=spec.run_id,
+                attempt=spec.attempt,
             )
             self.sender = MetricsSender(self.client)
 
     def log_step(
-        self, engine: Any, *, step: int, epoch: float, elapsed: float, loss_sum: Any,
-        tokens: int, samples: int, total_steps: int,
+        self,
+        engine: Any,
+        *,
+        step: int,
+        epoch: float,
+        elapsed: float,
+        loss_sum: Any,
+        tokens: int,
+        samples: int,
+        total_steps: int,
     ) -> None:
         import psutil
         import torch
@@ -156,8 +175,11 @@ class _MetricSinks:
         accum = self.spec.training.gradient_accumulation_steps
         # One all-reduce for all three, so the logged loss is the global mean, not rank 0's.
         totals = torch.stack(
-            [loss_sum.to(torch.float64).cpu(), torch.tensor(float(tokens), dtype=torch.float64),
-             torch.tensor(float(samples), dtype=torch.float64)]
+            [
+                loss_sum.to(torch.float64).cpu(),
+                torch.tensor(float(tokens), dtype=torch.float64),
+                torch.tensor(float(samples), dtype=torch.float64),
+            ]
         )
         if dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -181,7 +203,8 @@ class _MetricSinks:
         self.latest = metrics
         if self.sender is not None:
             self.sender.log(
-                metrics, step=step,
+                metrics,
+                step=step,
                 progress={"step": step, "total_steps": total_steps, "epoch": epoch},
             )
 

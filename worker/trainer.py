@@ -32,7 +32,8 @@ def build_trainer(spec: RunSpec) -> Any:
             storage_path=spec.storage_path,
             failure_config=FailureConfig(max_failures=spec.fault_tolerance.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpointing.keep_last),
-            callbacks=[CheckpointRecorder(spec.run_id, spec.attempt)],
+            # Ray types `callbacks` with its v1 Callback class; V2 takes UserCallback.
+            callbacks=[CheckpointRecorder(spec.run_id, spec.attempt)],  # type: ignore[list-item]
         ),
     )
 
@@ -44,15 +45,19 @@ class CheckpointRecorder(UserCallback):
         self.run_id = run_id
         self.attempt = attempt
 
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+    def after_report(
+        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+    ) -> None:
         if checkpoint is None:
             return
         from worker.service_client import ServiceClient
 
         rank0 = metrics[0] if metrics else {}
         client = ServiceClient(
-            base_url=os.environ[CALLBACK_URL_ENV], token=os.environ[TOKEN_ENV],
-            run_id=self.run_id, attempt=self.attempt,
+            base_url=os.environ[CALLBACK_URL_ENV],
+            token=os.environ[TOKEN_ENV],
+            run_id=self.run_id,
+            attempt=self.attempt,
         )
         try:
             client.checkpoint(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from app.api.deps import SessionDep, bearer_token
@@ -10,7 +12,7 @@ from app.services import callbacks
 
 router = APIRouter(prefix="/v1/internal/runs", tags=["worker callbacks"])
 
-_errors = {
+_errors: dict[int | str, dict[str, Any]] = {
     401: {"description": "Missing, wrong or expired run token"},
     404: {"description": "No such run"},
     409: {"description": "The attempt is over, or the status change is not allowed"},

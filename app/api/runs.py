@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Query, Request, status
 
@@ -21,7 +21,7 @@ from app.status import RunStatus
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
-_errors = {
+_errors: dict[int | str, dict[str, Any]] = {
     401: {"description": "Missing or invalid API key"},
     404: {"description": "No such run (or not yours)"},
     422: {"description": "The request breaks a rule; `detail` names each field and rule"},
@@ -36,11 +36,17 @@ _errors = {
     responses={k: v for k, v in _errors.items() if k != 404},
 )
 def create_run(
-    body: RunRequest, request: Request, session: SessionDep, settings: SettingsDep,
-    principal: CurrentPrincipal, background: BackgroundTasks,
+    body: RunRequest,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: CurrentPrincipal,
+    background: BackgroundTasks,
 ) -> RunView:
     run = runs.create_run(
-        session, request=body, owner_id=principal.id,
+        session,
+        request=body,
+        owner_id=principal.id,
         allowed_roots=settings.resolved_allowed_roots,
     )
     # Background tasks run after the commit: wake the dispatcher now, not at its next tick.
@@ -94,7 +100,9 @@ def get_metrics(
     summary="A run's checkpoints (DeepSpeed and exported HF models)",
     responses=_errors,
 )
-def get_checkpoints(run_id: str, session: SessionDep, principal: CurrentPrincipal) -> CheckpointList:
+def get_checkpoints(
+    run_id: str, session: SessionDep, principal: CurrentPrincipal
+) -> CheckpointList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     return CheckpointList(
         data=[CheckpointView.of(c) for c in run_data.list_checkpoints(session, run=run)]

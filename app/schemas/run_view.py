@@ -65,13 +65,16 @@ class RunView(BaseModel):
             status=run.status,
             attempt=run.attempt,
             ray_submission_id=run.ray_submission_id,
-            created_at=as_utc(run.created_at),  # type: ignore[arg-type]
+            created_at=as_utc(run.created_at),
             started_at=as_utc(run.started_at),
             finished_at=as_utc(run.finished_at),
             spec={**run.spec, "metadata": run.run_metadata},
             progress=ProgressView(
-                step=run.step, total_steps=run.total_steps, epoch=run.epoch,
-                fraction=fraction, eta_seconds=eta,
+                step=run.step,
+                total_steps=run.total_steps,
+                epoch=run.epoch,
+                fraction=fraction,
+                eta_seconds=eta,
             ),
             latest_metrics=run.latest_metrics,
             error=ErrorView(code=run.error_code, message=run.error_message or "")
@@ -97,7 +100,7 @@ class MetricView(BaseModel):
 
     @classmethod
     def of(cls, m: Metric) -> MetricView:
-        return cls(step=m.step, name=m.name, value=m.value, time=as_utc(m.time), attempt=m.attempt)  # type: ignore[arg-type]
+        return cls(step=m.step, name=m.name, value=m.value, time=as_utc(m.time), attempt=m.attempt)
 
 
 class MetricList(BaseModel):
@@ -118,8 +121,13 @@ class CheckpointView(BaseModel):
     @classmethod
     def of(cls, c: Checkpoint) -> CheckpointView:
         return cls(
-            step=c.step, epoch=c.epoch, path=c.path, kind=c.kind, metrics=c.metrics,
-            attempt=c.attempt, created_at=as_utc(c.created_at),  # type: ignore[arg-type]
+            step=c.step,
+            epoch=c.epoch,
+            path=c.path,
+            kind=c.kind,
+            metrics=c.metrics,
+            attempt=c.attempt,
+            created_at=as_utc(c.created_at),
         )
 
 

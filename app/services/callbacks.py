@@ -20,8 +20,10 @@ def authorize_worker(session: Session, *, run_id: str, token: str | None, attemp
     run = session.get(Run, run_id, with_for_update=True)
     if run is None:
         raise NotFound(f"run {run_id} not found")
-    if not token or run.callback_token_hash is None or not secret_matches(
-        token, run.callback_token_hash
+    if (
+        not token
+        or run.callback_token_hash is None
+        or not secret_matches(token, run.callback_token_hash)
     ):
         raise Unauthorized("invalid or expired run token")
     if attempt != run.attempt:
@@ -49,14 +51,22 @@ def apply_status(session: Session, run: Run, post: StatusPost) -> None:
 def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
     """Idempotent: one row per (run, attempt, name, step), whatever is posted twice."""
     rows = [
-        {"run_id": run.id, "attempt": run.attempt, "step": p.step, "name": p.name,
-         "value": p.value, "time": p.time}
+        {
+            "run_id": run.id,
+            "attempt": run.attempt,
+            "step": p.step,
+            "name": p.name,
+            "value": p.value,
+            "time": p.time,
+        }
         for p in post.points
     ]
     if rows:
         insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
-        stmt = insert(Metric).values(rows).on_conflict_do_nothing(
-            index_elements=["run_id", "attempt", "name", "step"]
+        stmt = (
+            insert(Metric)
+            .values(rows)
+            .on_conflict_do_nothing(index_elements=["run_id", "attempt", "name", "step"])
         )
         session.execute(stmt)
 
@@ -80,8 +90,13 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
     if existing is not None:
         return existing
     checkpoint = Checkpoint(
-        run_id=run.id, attempt=run.attempt, step=post.step, epoch=post.epoch,
-        path=post.path, kind=post.kind, metrics=post.metrics,
+        run_id=run.id,
+        attempt=run.attempt,
+        step=post.step,
+        epoch=post.epoch,
+        path=post.path,
+        kind=post.kind,
+        metrics=post.metrics,
     )
     session.add(checkpoint)
     if post.kind == "hf":

@@ -38,7 +38,10 @@ def _check_local(value: str, allowed_roots: list[Path]) -> str | None:
     resolved = path.resolve()
     if not any(resolved.is_relative_to(root) for root in allowed_roots):
         roots = ", ".join(str(r) for r in allowed_roots)
-        return f"local path {value!r} is outside the allowed roots ({roots}); see TUNEYARD_ALLOWED_ROOTS"
+        return (
+            f"local path {value!r} is outside the allowed roots ({roots}); "
+            "see TUNEYARD_ALLOWED_ROOTS"
+        )
     return None
 
 

@@ -76,7 +76,9 @@ def list_runs(
             or_(Run.created_at < created_at, and_(Run.created_at == created_at, Run.id < run_id))
         )
     limit = max(1, min(limit, MAX_PAGE))
-    rows = list(session.scalars(query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)))
+    rows = list(
+        session.scalars(query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1))
+    )
     next_cursor = _encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor
 

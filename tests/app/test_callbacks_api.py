@@ -34,7 +34,10 @@ class RecordingRay:
 
 
 def start_run(
-    client: TestClient, auth: dict[str, str], root: Path, settings: Settings,
+    client: TestClient,
+    auth: dict[str, str],
+    root: Path,
+    settings: Settings,
     session_factory: sessionmaker[Session],
 ) -> tuple[str, str]:
     """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
@@ -47,7 +50,10 @@ def start_run(
 
 @pytest.fixture
 def started(
-    client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    settings: Settings,
     session_factory: sessionmaker[Session],
 ) -> tuple[str, dict[str, str]]:
     run_id, token = start_run(client, auth, tmp_path, settings, session_factory)
@@ -66,15 +72,21 @@ class TestStatusCallback:
         run_id, worker = started
         assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "starting"
 
-        r = client.post(f"/v1/internal/runs/{run_id}/status",
-                        json={"attempt": 1, "status": "running"}, headers=worker)
+        r = client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "running"},
+            headers=worker,
+        )
         assert r.status_code == 200, r.text
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "running"
         assert run["started_at"] is not None
 
-        client.post(f"/v1/internal/runs/{run_id}/status",
-                    json={"attempt": 1, "status": "succeeded"}, headers=worker)
+        client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "succeeded"},
+            headers=worker,
+        )
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "succeeded"
         assert run["finished_at"] is not None
@@ -84,8 +96,11 @@ class TestStatusCallback:
     ) -> None:
         run_id, worker = started
         error = {"code": "training_error", "message": "dataset has no field 'text'"}
-        client.post(f"/v1/internal/runs/{run_id}/status",
-                    json={"attempt": 1, "status": "failed", "error": error}, headers=worker)
+        client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "failed", "error": error},
+            headers=worker,
+        )
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "failed"
         assert run["error"] == error
@@ -94,28 +109,47 @@ class TestStatusCallback:
         self, client: TestClient, started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        client.post(f"/v1/internal/runs/{run_id}/status",
-                    json={"attempt": 1, "status": "succeeded"}, headers=worker)
-        late = client.post(f"/v1/internal/runs/{run_id}/status",
-                           json={"attempt": 1, "status": "running"}, headers=worker)
+        client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "succeeded"},
+            headers=worker,
+        )
+        late = client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "running"},
+            headers=worker,
+        )
         assert late.status_code == 401
 
-    def test_wrong_token_is_401(self, client: TestClient, started: tuple[str, dict[str, str]]) -> None:
+    def test_wrong_token_is_401(
+        self, client: TestClient, started: tuple[str, dict[str, str]]
+    ) -> None:
         run_id, _ = started
         for headers in ({}, {"Authorization": "Bearer rt_wrong"}):
-            r = client.post(f"/v1/internal/runs/{run_id}/status",
-                            json={"attempt": 1, "status": "running"}, headers=headers)
+            r = client.post(
+                f"/v1/internal/runs/{run_id}/status",
+                json={"attempt": 1, "status": "running"},
+                headers=headers,
+            )
             assert r.status_code == 401
 
     def test_a_token_is_good_for_its_own_run_only(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
-        session_factory: sessionmaker[Session], started: tuple[str, dict[str, str]],
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        started: tuple[str, dict[str, str]],
     ) -> None:
-        first_id, first_worker = started
+        _, first_worker = started
         (tmp_path / "other").mkdir()
         second_id, _ = start_run(client, auth, tmp_path / "other", settings, session_factory)
-        r = client.post(f"/v1/internal/runs/{second_id}/status",
-                        json={"attempt": 1, "status": "running"}, headers=first_worker)
+        r = client.post(
+            f"/v1/internal/runs/{second_id}/status",
+            json={"attempt": 1, "status": "running"},
+            headers=first_worker,
+        )
         assert r.status_code == 401
         assert client.get(f"/v1/runs/{second_id}", headers=auth).json()["status"] == "starting"
 
@@ -123,8 +157,11 @@ class TestStatusCallback:
         self, client: TestClient, started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        r = client.post(f"/v1/internal/runs/{run_id}/status",
-                        json={"attempt": 0, "status": "running"}, headers=worker)
+        r = client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 0, "status": "running"},
+            headers=worker,
+        )
         assert r.status_code == 409
 
 
@@ -133,8 +170,11 @@ class TestMetricsCallback:
         self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        body = {"attempt": 1, "points": _points(range(1, 6)),
-                "progress": {"step": 5, "total_steps": 10, "epoch": 0.5}}
+        body = {
+            "attempt": 1,
+            "points": _points(range(1, 6)),
+            "progress": {"step": 5, "total_steps": 10, "epoch": 0.5},
+        }
         for _ in range(2):  # a retried post must not duplicate anything
             r = client.post(f"/v1/internal/runs/{run_id}/metrics", json=body, headers=worker)
             assert r.status_code == 200, r.text
@@ -161,8 +201,9 @@ class TestMetricsCallback:
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["progress"]["step"] == 7
         assert run["latest_metrics"]["loss"] == pytest.approx(5.0 - 0.7)
-        steps = [m["step"] for m in client.get(f"/v1/runs/{run_id}/metrics",
-                                               headers=auth).json()["data"]]
+        steps = [
+            m["step"] for m in client.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
+        ]
         assert steps == [1, 2, 6, 7]
 
     def test_filter_and_paginate(
@@ -170,13 +211,18 @@ class TestMetricsCallback:
     ) -> None:
         run_id, worker = started
         points = _points(range(1, 11)) + _points(range(1, 11), name="learning_rate", base=1.0)
-        client.post(f"/v1/internal/runs/{run_id}/metrics",
-                    json={"attempt": 1, "points": points}, headers=worker)
+        client.post(
+            f"/v1/internal/runs/{run_id}/metrics",
+            json={"attempt": 1, "points": points},
+            headers=worker,
+        )
 
         url = f"/v1/runs/{run_id}/metrics"
         only_loss = client.get(url, params={"name": "loss", "after_step": 7}, headers=auth).json()
         assert [(m["name"], m["step"]) for m in only_loss["data"]] == [
-            ("loss", 8), ("loss", 9), ("loss", 10)
+            ("loss", 8),
+            ("loss", 9),
+            ("loss", 10),
         ]
 
         collected, cursor = [], None
@@ -199,8 +245,14 @@ class TestCheckpointCallback:
         self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        ds = {"attempt": 1, "step": 5, "epoch": 0.5, "path": "/storage/run/checkpoint_5",
-              "kind": "deepspeed", "metrics": {"loss": 4.0}}
+        ds = {
+            "attempt": 1,
+            "step": 5,
+            "epoch": 0.5,
+            "path": "/storage/run/checkpoint_5",
+            "kind": "deepspeed",
+            "metrics": {"loss": 4.0},
+        }
         hf = {**ds, "path": "/storage/run/export", "kind": "hf"}
         for body in (ds, ds, hf):  # the repeat is a retry: stored once
             r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
@@ -214,7 +266,8 @@ class TestCheckpointCallback:
         assert listed[0]["metrics"] == {"loss": 4.0}
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["output"] == {
-            "model_path": "/storage/run/export", "latest_checkpoint": "/storage/run/checkpoint_5"
+            "model_path": "/storage/run/export",
+            "latest_checkpoint": "/storage/run/checkpoint_5",
         }
 
     def test_unknown_kind_is_422(

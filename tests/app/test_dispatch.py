@@ -38,8 +38,13 @@ class ScriptedRay:
         if self.fail_with is not None:
             raise self.fail_with
         with self._lock:
-            self.submitted.append({"submission_id": submission_id, "entrypoint": entrypoint,
-                                   "runtime_env": runtime_env})
+            self.submitted.append(
+                {
+                    "submission_id": submission_id,
+                    "entrypoint": entrypoint,
+                    "runtime_env": runtime_env,
+                }
+            )
 
     def state(self, submission_id: str) -> JobState | None:
         return self.states.get(submission_id, JobState(status="RUNNING", message=""))
@@ -51,7 +56,9 @@ def ray() -> ScriptedRay:
 
 
 @pytest.fixture
-def dispatcher(settings: Settings, session_factory: sessionmaker[Session], ray: ScriptedRay) -> Dispatcher:
+def dispatcher(
+    settings: Settings, session_factory: sessionmaker[Session], ray: ScriptedRay
+) -> Dispatcher:
     return Dispatcher(settings=settings, session_factory=session_factory, jobs=ray)  # type: ignore[arg-type]
 
 
@@ -73,8 +80,14 @@ def _events(session_factory: sessionmaker[Session], run_id: str) -> list[Event]:
 
 class TestDispatch:
     def test_submits_a_queued_run_with_everything_the_worker_needs(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
-        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
     ) -> None:
         run_id = _create(client, auth, tmp_path)
         assert dispatcher.dispatch_queued_runs() == 1
@@ -100,8 +113,12 @@ class TestDispatch:
         assert run.callback_token_hash == hash_secret(env["env_vars"]["TUNEYARD_RUN_TOKEN"])
 
     def test_the_worker_spec_parses_as_the_worker_reads_it(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
-        dispatcher: Dispatcher, ray: ScriptedRay,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
     ) -> None:
         from worker.spec import RunSpec
 
@@ -114,8 +131,13 @@ class TestDispatch:
         assert spec.deepspeed.zero_stage == 2
 
     def test_ray_unreachable_leaves_the_run_queued_then_it_goes(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
-        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
     ) -> None:
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
@@ -130,8 +152,13 @@ class TestDispatch:
         assert [j["submission_id"] for j in ray.submitted] == [f"{run_id}-1"]
 
     def test_ray_rejecting_the_job_fails_the_run_with_its_message(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
-        session_factory: sessionmaker[Session], dispatcher: Dispatcher, ray: ScriptedRay,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
     ) -> None:
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayRejected("runtime_env py_modules: bad package")
@@ -143,8 +170,13 @@ class TestDispatch:
         assert "bad package" in (run.error_message or "")
 
     def test_concurrent_dispatchers_submit_each_run_once(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path, settings: Settings,
-        session_factory: sessionmaker[Session], ray: ScriptedRay,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        ray: ScriptedRay,
     ) -> None:
         ids = []
         for i in range(6):
@@ -172,7 +204,10 @@ class TestReconcile:
         return run_id
 
     def test_ray_failed_fails_the_run_with_rays_message(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
         ray.states[f"{run_id}-1"] = JobState(status="FAILED", message="exit code 1: OOM")
@@ -183,7 +218,10 @@ class TestReconcile:
         assert "OOM" in (run.error_message or "")
 
     def test_ray_succeeded_settles_a_run_whose_callback_was_lost(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
         ray.states[f"{run_id}-1"] = JobState(status="SUCCEEDED", message="")
@@ -191,7 +229,10 @@ class TestReconcile:
         assert _run(session_factory, run_id).status == "succeeded"
 
     def test_ray_stopped_fails_a_run_nobody_cancelled(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
         ray.states[f"{run_id}-1"] = JobState(status="STOPPED", message="stopped by operator")
@@ -201,7 +242,10 @@ class TestReconcile:
         assert run.error_code == "stopped"
 
     def test_a_running_job_ray_forgot_is_lost(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
         with session_factory.begin() as session:
@@ -213,7 +257,10 @@ class TestReconcile:
         assert run.error_code == "lost"
 
     def test_a_starting_run_ray_never_received_is_resubmitted_under_the_same_id(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
         ray.states[f"{run_id}-1"] = None
@@ -222,7 +269,8 @@ class TestReconcile:
 
         with session_factory.begin() as session:
             session.execute(
-                update(Run).where(Run.id == run_id)
+                update(Run)
+                .where(Run.id == run_id)
                 .values(updated_at=utcnow() - timedelta(minutes=5))
             )
         dispatcher.reconcile_live_runs()
@@ -233,8 +281,12 @@ class TestReconcile:
         assert run.callback_token_hash == hash_secret(new_token)
 
     def test_ray_unreachable_changes_nothing(
-        self, run_id: str, session_factory: sessionmaker[Session], dispatcher: Dispatcher,
-        ray: ScriptedRay, monkeypatch: pytest.MonkeyPatch,
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         def down(_: str) -> None:
             raise RayUnavailable("down")

@@ -42,12 +42,19 @@ class TestCreateRun:
         assert run["spec"]["training"]["lr_scheduler"] == "constant"
         assert run["spec"]["checkpointing"]["keep_last"] == 2
         assert run["progress"] == {
-            "step": 0, "total_steps": None, "epoch": None, "fraction": None, "eta_seconds": None
+            "step": 0,
+            "total_steps": None,
+            "epoch": None,
+            "fraction": None,
+            "eta_seconds": None,
         }
         assert run["output"] == {"model_path": None, "latest_checkpoint": None}
 
     def test_records_a_queued_event(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
         session_factory: sessionmaker[Session],
     ) -> None:
         run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
@@ -59,14 +66,18 @@ class TestCreateRun:
         self, client: TestClient, auth: dict[str, str], tmp_path: Path, monkeypatch: Any
     ) -> None:
         monkeypatch.chdir(tmp_path)
-        body = run_request(tmp_path, model="./model",
-                           dataset={"source": "./data.jsonl", "text_field": "text"})
+        body = run_request(
+            tmp_path, model="./model", dataset={"source": "./data.jsonl", "text_field": "text"}
+        )
         run = client.post("/v1/runs", json=body, headers=auth).json()
         assert run["spec"]["model"] == str((tmp_path / "model").resolve())
         assert run["spec"]["dataset"]["source"] == str((tmp_path / "data.jsonl").resolve())
 
     def test_unknown_field_is_refused_naming_it(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
         session_factory: sessionmaker[Session],
     ) -> None:
         body = run_request(tmp_path, training={"max_stepz": 3})
@@ -95,13 +106,19 @@ class TestCreateRun:
         assert "model" in _problems(response)
 
     def test_nonexistent_local_paths_are_refused_naming_the_path(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
         session_factory: sessionmaker[Session],
     ) -> None:
         missing_model = tmp_path / "no-such-model"
         missing_data = tmp_path / "no-such.jsonl"
-        body = run_request(tmp_path, model=str(missing_model),
-                           dataset={"source": str(missing_data), "text_field": "text"})
+        body = run_request(
+            tmp_path,
+            model=str(missing_model),
+            dataset={"source": str(missing_data), "text_field": "text"},
+        )
         response = client.post("/v1/runs", json=body, headers=auth)
 
         assert response.status_code == 422
@@ -112,7 +129,10 @@ class TestCreateRun:
         assert _count_runs(session_factory) == 0
 
     def test_paths_outside_the_allowed_roots_are_refused(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
         tmp_path_factory: Any,
     ) -> None:
         outside = tmp_path_factory.mktemp("outside")
@@ -145,8 +165,11 @@ class TestCreateRun:
     def test_hub_ids_are_accepted_without_a_local_check(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
     ) -> None:
-        body = run_request(tmp_path, model="openai-community/gpt2",
-                           dataset={"source": "ag_news", "text_field": "text"})
+        body = run_request(
+            tmp_path,
+            model="openai-community/gpt2",
+            dataset={"source": "ag_news", "text_field": "text"},
+        )
         response = client.post("/v1/runs", json=body, headers=auth)
         assert response.status_code == 201, response.text
         assert response.json()["spec"]["model"] == "openai-community/gpt2"
@@ -190,7 +213,9 @@ class TestCreateRun:
 
 
 class TestGetRun:
-    def test_returns_the_run(self, client: TestClient, auth: dict[str, str], tmp_path: Path) -> None:
+    def test_returns_the_run(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
         created = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()
         fetched = client.get(f"/v1/runs/{created['id']}", headers=auth)
         assert fetched.status_code == 200
@@ -202,7 +227,10 @@ class TestGetRun:
         assert response.json()["error"] == "not_found"
 
     def test_another_principals_run_is_404(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path,
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
         session_factory: sessionmaker[Session],
     ) -> None:
         run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
@@ -229,8 +257,9 @@ class TestListRuns:
         seen = [r["id"] for r in first["data"]]
         cursor = first["next_cursor"]
         while cursor:
-            page = client.get("/v1/runs", params={"limit": 2, "cursor": cursor},
-                              headers=auth).json()
+            page = client.get(
+                "/v1/runs", params={"limit": 2, "cursor": cursor}, headers=auth
+            ).json()
             seen += [r["id"] for r in page["data"]]
             cursor = page["next_cursor"]
         assert seen == ids[::-1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from app.errors import InvalidTransition
@@ -21,8 +23,16 @@ class _NoSession:
 
 
 def _run(status: RunStatus) -> Run:
-    return Run(id="run_x", status=status, attempt=1, spec={}, run_metadata={}, step=0,
-               latest_metrics={}, callback_token_hash="h")
+    return Run(
+        id="run_x",
+        status=status,
+        attempt=1,
+        spec={},
+        run_metadata={},
+        step=0,
+        latest_metrics={},
+        callback_token_hash="h",
+    )
 
 
 class TestTransitions:
@@ -35,7 +45,7 @@ class TestTransitions:
 
     def test_the_happy_path_is_allowed(self) -> None:
         path = [RunStatus.QUEUED, RunStatus.STARTING, RunStatus.RUNNING, RunStatus.SUCCEEDED]
-        assert all(can_transition(a, b) for a, b in zip(path, path[1:], strict=False))
+        assert all(can_transition(a, b) for a, b in itertools.pairwise(path))
 
     def test_set_status_refuses_an_illegal_change_and_records_nothing(self) -> None:
         session = _NoSession()

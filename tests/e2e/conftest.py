@@ -64,16 +64,22 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     env.pop("TUNEYARD_DATABASE_URL", None)
     key = subprocess.run(
         [sys.executable, "-m", "app", "keys", "create", "--name", "e2e"],
-        env=env, check=True, capture_output=True, text=True,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     log_path = home / "service.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"], env=env, stdout=log_file,
+            [sys.executable, "-m", "app", "serve"],
+            env=env,
+            stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    http = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -85,8 +91,13 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(1)
-        yield Service(base_url=f"http://127.0.0.1:{port}", home=home, data_dir=data_dir,
-                      http=http, log_path=log_path)
+        yield Service(
+            base_url=f"http://127.0.0.1:{port}",
+            home=home,
+            data_dir=data_dir,
+            http=http,
+            log_path=log_path,
+        )
     finally:
         http.close()
         proc.send_signal(signal.SIGINT)  # a clean shutdown also stops the local Ray head

@@ -21,8 +21,13 @@ def _zero2_request(model: Path, data: Path, **training: object) -> dict[str, obj
     return {
         "model": str(model),
         "dataset": {"source": str(data), "text_field": "text"},
-        "training": {"max_steps": STEPS, "learning_rate": 3e-3, "batch_size_per_worker": 8,
-                     "seq_length": 64, **training},
+        "training": {
+            "max_steps": STEPS,
+            "learning_rate": 3e-3,
+            "batch_size_per_worker": 8,
+            "seq_length": 64,
+            **training,
+        },
         "deepspeed": {"zero_stage": 2},
         "resources": {"num_workers": 2},
         "checkpointing": {"every_n_steps": 6, "export_hf": True},
@@ -73,14 +78,18 @@ def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_d
     (hf,) = [c for c in checkpoints if c["kind"] == "hf"]
     assert run["output"]["model_path"] == hf["path"]
     exported = AutoModelForCausalLM.from_pretrained(hf["path"])
-    trained = torch.load(final / f"step_{STEPS}" / "mp_rank_00_model_states.pt",
-                         map_location="cpu", weights_only=False)["module"]
+    trained = torch.load(
+        final / f"step_{STEPS}" / "mp_rank_00_model_states.pt",
+        map_location="cpu",
+        weights_only=False,
+    )["module"]
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     state = exported.state_dict()
     for name, tensor in trained.items():
         assert torch.equal(state[name], tensor), name
-    assert not torch.equal(state["transformer.h.0.mlp.c_fc.weight"],
-                           initial["transformer.h.0.mlp.c_fc.weight"])
+    assert not torch.equal(
+        state["transformer.h.0.mlp.c_fc.weight"], initial["transformer.h.0.mlp.c_fc.weight"]
+    )
 
 
 def test_a_dataset_without_the_text_field_fails_naming_the_field(
