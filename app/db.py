@@ -15,7 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, for_writes: bool = True) -> Engine:
+    """`for_writes=False` gives a SQLite engine whose transactions begin deferred: readers
+    then share the database in WAL mode instead of queueing for the write lock."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
@@ -28,8 +30,7 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-        # pysqlite opens transactions lazily, which lets two readers upgrade to writers and
-        # deadlock; BEGIN IMMEDIATE (below) takes the write lock up front instead.
+        # Hand transaction control to the "begin" listener below, not pysqlite's own.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
@@ -40,9 +41,18 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _sqlite_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # A deferred transaction that reads and then writes fails at once ("database is
+        # locked") if another writer committed meanwhile; IMMEDIATE waits its turn instead.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if for_writes else "BEGIN")
 
     return engine
+
+
+def make_read_engine(url: str, write_engine: Engine) -> Engine:
+    """SQLite gets a reader engine of its own; other databases share the one engine."""
+    if write_engine.dialect.name != "sqlite":
+        return write_engine
+    return make_engine(url, for_writes=False)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

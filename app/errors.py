@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.schemas.run_request import SERVER_OWNED_FIELDS
 
 
 class TuneyardError(Exception):
@@ -31,6 +34,11 @@ class Conflict(TuneyardError):
 
 class InvalidTransition(Conflict):
     error = "invalid_transition"
+
+
+class PayloadTooLarge(TuneyardError):
+    status_code = 413
+    error = "payload_too_large"
 
 
 class Unauthorized(TuneyardError):
@@ -57,13 +65,18 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-def _validation_problems(exc: RequestValidationError) -> list[dict[str, str]]:
+def problems_from_pydantic(errors: Sequence[Any]) -> list[dict[str, str]]:
+    """Pydantic's errors as tuneyard's problems: the dotted field name and a plain rule."""
     problems = []
-    for err in exc.errors():
+    for err in errors:
         field = _field_name(tuple(err.get("loc", ())))
         message = str(err.get("msg", "invalid"))
         if err.get("type") == "extra_forbidden":
-            message = f"unknown field {field!r}"
+            message = (
+                f"{field} is set by the server and cannot be given"
+                if field in SERVER_OWNED_FIELDS
+                else f"unknown field {field!r}"
+            )
         elif message.startswith("Value error, "):
             message = message.removeprefix("Value error, ")
         problems.append(field_problem(field, message))
@@ -78,7 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(
-            {"error": "validation_error", "detail": _validation_problems(exc)}, status_code=422
+            {"error": "validation_error", "detail": problems_from_pydantic(exc.errors())},
+            status_code=422,
         )
 
     @app.exception_handler(StarletteHTTPException)

@@ -6,10 +6,11 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 
-from app.api import health, internal, runs
-from app.db import make_engine, make_session_factory
+from app.api import files, health, internal, runs
+from app.db import make_engine, make_read_engine, make_session_factory
 from app.dispatch import Dispatcher
 from app.errors import install_error_handlers
 from app.migrate import upgrade_database
@@ -25,6 +26,7 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
     of the API and for tools that only read."""
     settings = settings or Settings()
     engine = make_engine(settings.resolved_database_url)
+    read_engine = make_read_engine(settings.resolved_database_url, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,6 +56,7 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
                 head.stop()
                 forget_local_head(settings)
             engine.dispose()
+            read_engine.dispose()
 
     app = FastAPI(
         title="tuneyard",
@@ -63,10 +66,13 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
     )
     app.state.settings = settings
     app.state.session_factory = make_session_factory(engine)
+    app.state.read_session_factory = make_session_factory(read_engine)
+    app.state.sqlite_write_lock = anyio.Lock()
     app.state.jobs = None
     app.state.dispatcher = None
     install_error_handlers(app)
     app.include_router(runs.router)
+    app.include_router(files.router)
     app.include_router(internal.router)
     app.include_router(health.router)
     return app

@@ -57,7 +57,11 @@ class ApiKey(Base):
 
 class Run(Base):
     __tablename__ = "runs"
-    __table_args__ = (Index("ix_runs_owner_created", "owner_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_runs_owner_created", "owner_id", "created_at"),
+        # One run per (principal, Idempotency-Key): concurrent retries cannot create two.
+        UniqueConstraint("owner_id", "idempotency_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     owner_id: Mapped[str | None] = mapped_column(String(32), index=True)
@@ -68,6 +72,9 @@ class Run(Base):
     # sha256 of the token of the current attempt's worker (new per attempt); app/security.py.
     callback_token_hash: Mapped[str | None] = mapped_column(String(64))
     ray_submission_id: Mapped[str | None] = mapped_column(String(64))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    # sha256 of the canonical request body, to tell a retry from a different request.
+    request_hash: Mapped[str | None] = mapped_column(String(64))
     error_code: Mapped[str | None] = mapped_column(String(32))
     error_message: Mapped[str | None] = mapped_column(Text)
     step: Mapped[int] = mapped_column(Integer, default=0)
@@ -126,4 +133,21 @@ class Event(Base):
     type: Mapped[str] = mapped_column(String(32))  # "status" | "message" | ...
     status: Mapped[str | None] = mapped_column(String(16))
     message: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class File(Base):
+    """An uploaded dataset file, checked record by record before it was stored."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    format: Mapped[str] = mapped_column(String(16))  # "jsonl" | "csv" | "parquet"
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    records: Mapped[int] = mapped_column(Integer)
+    fields: Mapped[list[str]] = mapped_column(JSON)
+    path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

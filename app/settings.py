@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     # The address workers on the cluster use to reach this service; unset → host:port.
     callback_url: str | None = None
     auth: Literal["apikey", "disabled"] = "apikey"
+    # Uploads beyond this are refused with 413 while streaming, before they fill the disk.
+    max_upload_bytes: int = Field(default=1 << 30, gt=0)
 
     host: str = "127.0.0.1"
     port: int = 8000

@@ -84,10 +84,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 @pytest.fixture
-def settings(tmp_path: Path, database_url: str) -> Settings:
+def settings(tmp_path: Path, database_url: str, tiny_model_dir: Path) -> Settings:
     home = tmp_path / "home"
     home.mkdir()
-    return Settings(home=home, database_url=database_url, allowed_roots=str(tmp_path))
+    return Settings(
+        home=home, database_url=database_url, allowed_roots=f"{tmp_path}:{tiny_model_dir}"
+    )
 
 
 @pytest.fixture

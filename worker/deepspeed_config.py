@@ -6,6 +6,10 @@ from typing import Any
 
 from worker.spec import RunSpec
 
+# ZeRO stages that DeepSpeed's AutoTP trains with, as verified on the installed version
+# (see tests/e2e); the service refuses other combinations up front.
+AUTOTP_ZERO_STAGES = (1, 2)
+
 # DeepSpeed prints its own progress every N steps; tuneyard reports metrics itself.
 _QUIET_STEPS = 10**9
 

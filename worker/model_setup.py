@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from worker.data import CausalLMCollator, load_raw_dataset, tokenize_dataset
@@ -11,10 +13,21 @@ from worker.spec import RunSpec
 log = logging.getLogger("tuneyard.worker")
 
 
+@contextmanager
+def _loading(model: str) -> Iterator[None]:
+    """transformers' loading errors end in generic advice; lead with what could not load."""
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot load model {model!r}: {first}") from exc
+
+
 def load_tokenizer(spec: RunSpec) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    with _loading(spec.model):
+        tokenizer = AutoTokenizer.from_pretrained(spec.model)
     if tokenizer.pad_token_id is None:
         # Causal LMs often ship without a pad token; padding is masked out of the loss anyway.
         if tokenizer.eos_token is None:
@@ -65,7 +78,8 @@ def build_model_and_optimizer(spec: RunSpec, *, total_steps: int) -> tuple[Any, 
     import torch
     from transformers import AutoModelForCausalLM, get_scheduler
 
-    model = AutoModelForCausalLM.from_pretrained(spec.model)
+    with _loading(spec.model):
+        model = AutoModelForCausalLM.from_pretrained(spec.model)
     if spec.training.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -25,6 +25,8 @@ class DatasetSpec:
     text_pair_field: str | None = None
     label_field: str | None = None
     format: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
     eval_split: str | None = None
     max_samples: int | None = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Query, Request, status
+from fastapi import APIRouter, BackgroundTasks, Body, Header, Query, Request, Response, status
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.schemas.run_request import RunRequest
@@ -15,6 +15,7 @@ from app.schemas.run_view import (
     MetricView,
     RunList,
     RunView,
+    ValidationReport,
 )
 from app.services import run_data, runs
 from app.status import RunStatus
@@ -33,39 +34,94 @@ _errors: dict[int | str, dict[str, Any]] = {
     status_code=status.HTTP_201_CREATED,
     response_model=RunView,
     summary="Create a fine-tuning run",
-    responses={k: v for k, v in _errors.items() if k != 404},
+    responses={
+        200: {"description": "An earlier run with the same Idempotency-Key and body"},
+        409: {"description": "The Idempotency-Key was used with a different body"},
+        **{k: v for k, v in _errors.items() if k != 404},
+    },
 )
 def create_run(
     body: RunRequest,
     request: Request,
+    response: Response,
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     background: BackgroundTasks,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> RunView:
-    run = runs.create_run(
+    run, created = runs.create_run(
         session,
         request=body,
         owner_id=principal.id,
         allowed_roots=settings.resolved_allowed_roots,
+        idempotency_key=idempotency_key,
     )
+    if not created:
+        response.status_code = status.HTTP_200_OK
     # Background tasks run after the commit: wake the dispatcher now, not at its next tick.
     dispatcher = getattr(request.app.state, "dispatcher", None)
-    if dispatcher is not None:
+    if dispatcher is not None and created:
         background.add_task(dispatcher.wake)
     return RunView.of(run)
 
 
-@router.get("", response_model=RunList, summary="List runs, newest first", responses=_errors)
+@router.post(
+    "/validate",
+    response_model=ValidationReport,
+    summary="Validate a run request without creating it",
+    description=(
+        "The same checks as `POST /v1/runs`, with nothing stored. Returns every problem "
+        "at once, the DeepSpeed config the worker would use, and an estimate of the cost."
+    ),
+    responses={401: _errors[401]},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/RunRequest"}}
+            },
+        }
+    },
+)
+def validate_run(
+    body: Annotated[Any, Body()],
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: CurrentPrincipal,
+) -> ValidationReport:
+    return runs.validate_run_request(
+        session, body=body, owner_id=principal.id, allowed_roots=settings.resolved_allowed_roots
+    )
+
+
+@router.get(
+    "",
+    response_model=RunList,
+    summary="List runs, newest first",
+    description="Filter by `status` and by metadata with `metadata.<key>=<value>` parameters.",
+    responses=_errors,
+)
 def list_runs(
+    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
     status_filter: Annotated[RunStatus | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=runs.MAX_PAGE)] = 20,
     cursor: str | None = None,
 ) -> RunList:
+    metadata = {
+        key.removeprefix("metadata."): value
+        for key, value in request.query_params.items()
+        if key.startswith("metadata.")
+    }
     rows, next_cursor = runs.list_runs(
-        session, owner_id=principal.id, status=status_filter, limit=limit, cursor=cursor
+        session,
+        owner_id=principal.id,
+        status=status_filter,
+        metadata=metadata,
+        limit=limit,
+        cursor=cursor,
     )
     return RunList(data=[RunView.of(r) for r in rows], next_cursor=next_cursor)
 

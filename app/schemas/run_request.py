@@ -1,8 +1,8 @@
 """The training request (`POST /v1/runs`): schema, defaults and the rules between fields.
 
 Every field but `model` and `dataset.source` has a default. Unknown fields are refused,
-so a typo never silently falls back to a default. Rules that need the file system
-(local paths) live in app/services/path_rules.py, because they depend on settings.
+so a typo never silently falls back to a default. The rules between fields, and those
+that need the file system or settings, live in app/services/run_rules.py.
 """
 
 from __future__ import annotations
@@ -12,6 +12,26 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+# Fields a client may be tempted to send back from a run object; the server owns them.
+SERVER_OWNED_FIELDS = frozenset(
+    {
+        "id",
+        "object",
+        "status",
+        "attempt",
+        "owner",
+        "owner_id",
+        "ray_submission_id",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "progress",
+        "latest_metrics",
+        "error",
+        "output",
+    }
+)
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=256)]
@@ -30,6 +50,9 @@ class DatasetSpec(BaseModel):
     text_pair_field: str | None = None
     label_field: str | None = None
     format: Literal["text", "prompt_completion"] = "text"
+    # For format=prompt_completion: the loss is on the completion tokens only.
+    prompt_field: str = Field(default="prompt", min_length=1)
+    completion_field: str = Field(default="completion", min_length=1)
     eval_split: str | None = None
     max_samples: int | None = Field(default=None, gt=0)
 
@@ -124,43 +147,6 @@ class RunRequest(BaseModel):
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)
 
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> RunRequest:
-        problems = cross_field_problems(self)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
     def worker_fields(self) -> dict[str, Any]:
         """The part of the request the worker trains from (metadata stays with the service)."""
         return self.model_dump(mode="json", exclude={"metadata"})
-
-
-def cross_field_problems(req: RunRequest) -> list[str]:
-    """Every rule between fields that this version checks, all reported at once."""
-    problems: list[str] = []
-    ds, res = req.deepspeed, req.resources
-    if res.num_workers % ds.tensor_parallel_size:
-        problems.append(
-            f"deepspeed.tensor_parallel_size ({ds.tensor_parallel_size}) must divide "
-            f"resources.num_workers ({res.num_workers})"
-        )
-    if ds.offload_params != "none" and ds.zero_stage != 3:
-        problems.append(f"deepspeed.offload_params needs zero_stage 3, got {ds.zero_stage}")
-    if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-        problems.append("deepspeed.offload_optimizer needs zero_stage 1, 2 or 3, got 0")
-    if ds.precision == "fp16" and not res.use_gpu:
-        problems.append(
-            "deepspeed.precision fp16 needs a GPU (resources.use_gpu=true); "
-            "on CPU use bf16, fp32 or auto"
-        )
-    # Features the worker does not implement yet are refused here, before any compute.
-    if req.task != "causal_lm":
-        problems.append(f"task {req.task!r} is not supported yet; use 'causal_lm'")
-    if req.dataset.format != "text":
-        problems.append(f"dataset.format {req.dataset.format!r} is not supported yet; use 'text'")
-    if ds.tensor_parallel_size != 1:
-        problems.append("deepspeed.tensor_parallel_size > 1 (AutoTP) is not supported yet")
-    if req.training.packing:
-        problems.append("training.packing is not supported yet")
-    return problems

@@ -134,3 +134,10 @@ class CheckpointView(BaseModel):
 class CheckpointList(BaseModel):
     object: str = "list"
     data: list[CheckpointView]
+
+
+class ValidationReport(BaseModel):
+    valid: bool
+    errors: list[dict[str, str]]
+    resolved: dict[str, Any] | None
+    estimate: dict[str, Any] | None

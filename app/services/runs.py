@@ -3,53 +3,113 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy import and_, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.errors import NotFound, ValidationFailed
+from app.errors import Conflict, NotFound, ValidationFailed, problems_from_pydantic
 from app.models import Run, new_id
 from app.schemas.run_request import RunRequest
-from app.services.path_rules import local_path_problems
+from app.schemas.run_view import ValidationReport
+from app.services import estimates
+from app.services.run_rules import check_run_request
 from app.services.run_status import record_event
 from app.status import RunStatus
-from worker.data import is_local_source
 
 MAX_PAGE = 100
 
 
 def create_run(
-    session: Session, *, request: RunRequest, owner_id: str | None, allowed_roots: list[Path]
-) -> Run:
-    problems = local_path_problems(request, allowed_roots=allowed_roots)
-    if problems:
-        raise ValidationFailed(problems)
-    spec = request.worker_fields()
-    # Workers run elsewhere, with another working directory: store absolute paths.
-    if is_local_source(request.model):
-        spec["model"] = str(Path(request.model).expanduser().resolve())
-    if is_local_source(request.dataset.source):
-        spec["dataset"]["source"] = str(Path(request.dataset.source).expanduser().resolve())
+    session: Session,
+    *,
+    request: RunRequest,
+    owner_id: str,
+    allowed_roots: list[Path],
+    idempotency_key: str | None = None,
+) -> tuple[Run, bool]:
+    """The new run and True; or, for a repeated Idempotency-Key, the earlier run and False."""
+    request_hash = _request_hash(request)
+    if idempotency_key is not None:
+        earlier = _find_idempotent(session, owner_id, idempotency_key, request_hash)
+        if earlier is not None:
+            return earlier, False
+
+    checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
+    if checked.problems:
+        raise ValidationFailed(checked.problems)
     run = Run(
         id=new_id("run"),
         owner_id=owner_id,
         status=RunStatus.QUEUED,
         attempt=1,
-        spec=spec,
+        spec=checked.spec,
         run_metadata=dict(request.metadata),
         step=0,
         latest_metrics={},
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
     )
-    session.add(run)
-    session.flush()
+    try:
+        # A savepoint: if a concurrent request with the same key won, only this insert undoes.
+        with session.begin_nested():
+            session.add(run)
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        earlier = _find_idempotent(session, owner_id, idempotency_key, request_hash)
+        if earlier is None:
+            raise
+        return earlier, False
     record_event(session, run, type="status", status=RunStatus.QUEUED, message="run created")
-    return run
+    return run, True
 
 
-def get_run(session: Session, *, run_id: str, owner_id: str | None) -> Run:
+def validate_run_request(
+    session: Session, *, body: Any, owner_id: str, allowed_roots: list[Path]
+) -> ValidationReport:
+    """Every check `create_run` makes, with nothing stored, plus what the run would cost."""
+    try:
+        request = RunRequest.model_validate(body)
+    except PydanticValidationError as exc:
+        return ValidationReport(
+            valid=False, errors=problems_from_pydantic(exc.errors()), resolved=None, estimate=None
+        )
+    checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
+    if checked.problems:
+        return ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
+    return ValidationReport(
+        valid=True,
+        errors=[],
+        resolved=estimates.resolve(checked),
+        estimate=estimates.estimate(checked),
+    )
+
+
+def _request_hash(request: RunRequest) -> str:
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _find_idempotent(session: Session, owner_id: str, key: str, request_hash: str) -> Run | None:
+    earlier = session.scalar(
+        select(Run).where(Run.owner_id == owner_id, Run.idempotency_key == key)
+    )
+    if earlier is not None and earlier.request_hash != request_hash:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used for run {earlier.id} with a different "
+            "request body; use a new key for a new request"
+        )
+    return earlier
+
+
+def get_run(session: Session, *, run_id: str, owner_id: str) -> Run:
     run = session.get(Run, run_id)
     # Another principal's run is indistinguishable from a missing one.
     if run is None or run.owner_id != owner_id:
@@ -60,8 +120,9 @@ def get_run(session: Session, *, run_id: str, owner_id: str | None) -> Run:
 def list_runs(
     session: Session,
     *,
-    owner_id: str | None,
+    owner_id: str,
     status: RunStatus | None,
+    metadata: dict[str, str],
     limit: int,
     cursor: str | None,
 ) -> tuple[list[Run], str | None]:
@@ -70,6 +131,8 @@ def list_runs(
     query = select(Run).where(Run.owner_id == owner_id)
     if status is not None:
         query = query.where(Run.status == status)
+    for key, value in metadata.items():
+        query = query.where(Run.run_metadata[key].as_string() == value)
     if cursor:
         created_at, run_id = _decode_cursor(cursor)
         query = query.where(

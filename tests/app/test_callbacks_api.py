@@ -10,27 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import Dispatcher
-from app.ray_jobs import JobState
 from app.settings import Settings
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
-
-
-class RecordingRay:
-    """Stands in for Ray where a test needs a submitted job but no cluster."""
-
-    address = "http://ray.invalid"
-
-    def __init__(self) -> None:
-        self.submitted: list[dict[str, Any]] = []
-
-    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
-        self.submitted.append(
-            {"submission_id": submission_id, "entrypoint": entrypoint, "runtime_env": runtime_env}
-        )
-
-    def state(self, submission_id: str) -> JobState | None:
-        return JobState(status="RUNNING", message="")
 
 
 def start_run(
@@ -42,8 +24,7 @@ def start_run(
 ) -> tuple[str, str]:
     """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
     run_id = client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"]
-    ray = RecordingRay()
-    Dispatcher(settings=settings, session_factory=session_factory, jobs=ray).dispatch_queued_runs()  # type: ignore[arg-type]
+    ray = dispatch_to(ScriptedRay(), settings, session_factory)
     token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
     return run_id, token
 

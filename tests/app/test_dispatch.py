@@ -50,6 +50,15 @@ class ScriptedRay:
         return self.states.get(submission_id, JobState(status="RUNNING", message=""))
 
 
+def dispatch_to(
+    ray: ScriptedRay, settings: Settings, session_factory: sessionmaker[Session]
+) -> ScriptedRay:
+    """Run one dispatch pass against the scripted Ray; the Ray, for its `submitted` list."""
+    jobs: Any = ray
+    Dispatcher(settings=settings, session_factory=session_factory, jobs=jobs).dispatch_queued_runs()
+    return ray
+
+
 @pytest.fixture
 def ray() -> ScriptedRay:
     return ScriptedRay()

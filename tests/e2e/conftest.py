@@ -60,6 +60,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         "TUNEYARD_PORT": str(port),
         "TUNEYARD_ALLOWED_ROOTS": f"{tiny_model_dir}:{data_dir}",
         "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
+        # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
+        "HF_HUB_OFFLINE": "1",
     }
     env.pop("TUNEYARD_DATABASE_URL", None)
     key = subprocess.run(

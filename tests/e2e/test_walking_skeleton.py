@@ -104,3 +104,16 @@ def test_a_dataset_without_the_text_field_fails_naming_the_field(
     assert "'text'" in run["error"]["message"]
     assert "dataset.text_field" in run["error"]["message"]
     assert "body" in run["error"]["message"]  # the fields it does have
+
+
+def test_a_model_that_cannot_be_loaded_fails_naming_it(
+    service: Service, tiny_model_dir: Path
+) -> None:
+    data = write_jsonl_dataset(service.data_dir / "news-small.jsonl", rows=50)
+    body = _zero2_request(tiny_model_dir, data)
+    body["model"] = "no-such-org/no-such-model"
+    run = service.wait_terminal(service.submit(body)["id"])
+
+    assert run["status"] == "failed"
+    assert "cannot load model 'no-such-org/no-such-model'" in run["error"]["message"]
+    assert run["finished_at"] is not None

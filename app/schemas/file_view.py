@@ -1,0 +1,35 @@
+"""What clients read about an uploaded file."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel
+
+from app.models import File
+from app.schemas.run_view import as_utc
+
+
+class FileView(BaseModel):
+    object: str = "file"
+    id: str
+    filename: str
+    format: str
+    purpose: str
+    bytes: int
+    records: int
+    fields: list[str]
+    created_at: datetime
+
+    @classmethod
+    def of(cls, f: File) -> FileView:
+        return cls(
+            id=f.id,
+            filename=f.filename,
+            format=f.format,
+            purpose=f.purpose,
+            bytes=f.bytes,
+            records=f.records,
+            fields=f.fields,
+            created_at=as_utc(f.created_at),
+        )
