@@ -46,8 +46,8 @@ class ServiceClient:
             try:
                 response = self._http.post(path, json=body)
                 if response.status_code < 500:
-                    if response.status_code >= 400:
-                        # 4xx will not get better by retrying (e.g. the run ended meanwhile).
+                    if not response.is_success:
+                        # 3xx/4xx will not get better by retrying (e.g. the run ended).
                         log.warning(
                             "run %s: service refused %s: %s %s",
                             self.run_id,
@@ -90,6 +90,8 @@ class MetricsSender:
         self._buffer: deque[dict[str, Any]] = deque(maxlen=METRICS_BUFFER_POINTS)
         self._progress: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        # One send at a time, so a final flush in close() cannot overtake the thread's send.
+        self._send_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tuneyard-metrics", daemon=True)
@@ -113,6 +115,10 @@ class MetricsSender:
             self._buffer.extendleft(reversed(batch))
 
     def _send_pending(self, *, attempts: int) -> bool:
+        with self._send_lock:
+            return self._send_pending_locked(attempts=attempts)
+
+    def _send_pending_locked(self, *, attempts: int) -> bool:
         while True:
             batch, progress = self._take_batch()
             if not batch:

@@ -116,8 +116,13 @@ class RunSpec:
             "checkpointing": CheckpointingSpec,
             "fault_tolerance": FaultToleranceSpec,
         }
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = set(data) - {f.name for f in fields(cls)}
+        for name, group in groups.items():
+            value = data.get(name)
+            if name in data and not isinstance(value, dict):
+                raise ValueError(f"run spec field {name!r} must be an object")
+            if isinstance(value, dict):
+                unknown |= {f"{name}.{k}" for k in set(value) - {f.name for f in fields(group)}}
         if unknown:
             raise ValueError(f"unknown run spec fields: {sorted(unknown)}")
         kwargs = {k: (groups[k](**v) if k in groups else v) for k, v in data.items()}

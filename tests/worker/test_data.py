@@ -212,8 +212,10 @@ class TestTokenizeDataset:
         assert len(full) > 8
 
         tokenized = tokenize_dataset(
-            in_memory_dataset({"body": [long_text, "Rain in Oslo."]}), tokenizer,
-            text_field="body", seq_length=8,
+            in_memory_dataset({"body": [long_text, "Rain in Oslo."]}),
+            tokenizer,
+            text_field="body",
+            seq_length=8,
         )
 
         assert tokenized["input_ids"][0] == full[:8]

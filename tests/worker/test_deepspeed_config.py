@@ -136,7 +136,7 @@ class TestAcceptedByDeepSpeed:
     """DeepSpeed's own parser reads the config (pydantic, extra keys forbidden in ZeRO).
 
     Without a process group DeepSpeedConfig takes world size 1, so these specs use one
-    worker; its batch-size check then holds the config to micro × accumulation × 1.
+    worker; its batch-size check then holds the config to micro * accumulation * 1.
     """
 
     @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -173,9 +173,7 @@ class TestAcceptedByDeepSpeed:
     ) -> None:
         spec = make_spec(deepspeed=offloads_for(3), resources={"num_workers": 1, "use_gpu": True})
 
-        parsed = deepspeed_config_cls(
-            resolve_deepspeed_config(spec, bf16_supported=bf16_supported)
-        )
+        parsed = deepspeed_config_cls(resolve_deepspeed_config(spec, bf16_supported=bf16_supported))
 
         assert parsed.bfloat16_config.enabled is (expected == "bf16")
         assert parsed.float16_config.enabled is (expected == "fp16")

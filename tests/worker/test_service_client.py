@@ -60,9 +60,7 @@ class RecordingService:
     """Records every POST; answers with the queued statuses, then `default_status`."""
 
     def __init__(self) -> None:
-        self._server = _Server(("127.0.0.1", 0), _Handler, bind_and_activate=False)
-        self._server.service = self
-        self._server.server_bind()
+        self._server = self._bind(0)
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.statuses: deque[int] = deque()
@@ -71,6 +69,12 @@ class RecordingService:
         self._lock = threading.Lock()
         self._listening = False
         self._thread: threading.Thread | None = None
+
+    def _bind(self, port: int) -> _Server:
+        server = _Server(("127.0.0.1", port), _Handler, bind_and_activate=False)
+        server.service = self
+        server.server_bind()
+        return server
 
     def next_status(self) -> int:
         with self._lock:
@@ -97,6 +101,13 @@ class RecordingService:
         )
         self._thread.start()
 
+    def drop(self) -> None:
+        """A hung service goes down: waiting connections are reset; the port stays reserved."""
+        assert self._thread is None, "drop() is for a service that listens without serving"
+        self._server.server_close()
+        self._server = self._bind(self.port)
+        self._listening = False
+
     def close(self) -> None:
         if self._thread is not None:
             self._server.shutdown()
@@ -114,7 +125,9 @@ def service() -> Iterator[RecordingService]:
 
 @pytest.fixture
 def client(service: RecordingService) -> Iterator[ServiceClient]:
-    service_client = ServiceClient(base_url=service.url + "/", token=TOKEN, run_id=RUN_ID, attempt=3)
+    service_client = ServiceClient(
+        base_url=service.url + "/", token=TOKEN, run_id=RUN_ID, attempt=3
+    )
     yield service_client
     service_client.close()
 
@@ -227,7 +240,11 @@ class TestServiceClientPost:
         }
         assert second.path.endswith("/checkpoints")
         assert second.body == {
-            "attempt": 3, "step": 10, "epoch": 0.5, "path": "/s/ckpt", "kind": "deepspeed",
+            "attempt": 3,
+            "step": 10,
+            "epoch": 0.5,
+            "path": "/s/ckpt",
+            "kind": "deepspeed",
             "metrics": {"loss": 1.5},
         }
 
@@ -287,6 +304,29 @@ class TestMetricsSender:
         steps = [p["step"] for p in delivered_points(service)]
         assert steps == [1] + [step for step in range(2, 502) for _ in range(2)]
 
+    def test_points_logged_during_a_failed_send_keep_their_order(
+        self, service: RecordingService, client: ServiceClient
+    ) -> None:
+        """A batch that fails goes back before the points logged while it was in flight."""
+        service.listen()
+        sender = MetricsSender(client, flush_interval_s=0.05)
+        try:
+            sender.log({"loss": 3.0}, step=1, progress={"step": 1})
+            time.sleep(0.3)  # step 1 is in flight to the hung service
+            for step in range(2, 6):
+                sender.log({"loss": 3.0}, step=step, progress={"step": step})
+            service.drop()  # the request in flight fails
+            time.sleep(0.2)
+            assert service.requests() == []
+
+            service.serve()
+            assert wait_until(lambda: len(delivered_points(service)) >= 5)
+            time.sleep(0.2)  # a duplicate would arrive in the next flushes
+        finally:
+            sender.close(timeout_s=2)
+
+        assert [p["step"] for p in delivered_points(service)] == [1, 2, 3, 4, 5]
+
     def test_close_flushes_what_is_left(
         self, service: RecordingService, client: ServiceClient
     ) -> None:
@@ -300,7 +340,9 @@ class TestMetricsSender:
         sender.close(timeout_s=2)
 
         assert [(p["step"], p["value"]) for p in delivered_points(service)] == [
-            (1, 1.0), (2, 2.0), (3, 3.0)
+            (1, 1.0),
+            (2, 2.0),
+            (3, 3.0),
         ]
         assert service.requests()[-1].body["progress"] == {"step": 3, "total_steps": 3}
 
