@@ -92,3 +92,80 @@ def build_tiny_gpt2(folder: Path, *, n_positions: int = 128) -> Path:
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(folder)
     return folder
+
+
+def build_tiny_llama(folder: Path, *, max_positions: int = 128) -> Path:
+    """A tiny Llama (4 heads, 2 key/value heads) for AutoTP: its heads split over 2 ranks."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def build_tiny_bert(folder: Path, *, num_labels: int = 2, max_positions: int = 128) -> Path:
+    """A tiny BERT for sequence classification, as in the GLUE/MRPC tutorial."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = BertConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=max_positions,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+    )
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def write_paraphrase_dataset(path: Path, *, rows: int = 400, seed: int = 0) -> Path:
+    """MRPC-like pairs: label 1 when the second sentence repeats the first's subject."""
+    rng = random.Random(seed)
+    lines = news_lines(rows * 2, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i in range(rows):
+            first = lines[2 * i]
+            same = rng.random() < 0.5
+            second = first if same else lines[2 * i + 1]
+            f.write(
+                json.dumps({"sentence1": first, "sentence2": second, "label": int(same)}) + "\n"
+            )
+    return path
+
+
+def write_prompt_completion_dataset(path: Path, *, rows: int = 400, seed: int = 0) -> Path:
+    """Headline → city: the completion is learnable from the prompt."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(rows):
+            team = rng.choice(_TEAMS)
+            city = _CITIES[_TEAMS.index(team) % len(_CITIES)]  # the home ground: learnable
+            f.write(
+                json.dumps({"prompt": f"The {team} played in", "completion": f" {city}."}) + "\n"
+            )
+    return path

@@ -124,8 +124,28 @@ def auth(api_key: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for every tiny model, so a service can allow it as a root."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models_root: Path) -> Path:
     """A tiny GPT-2 and tokenizer, built once per test session."""
     from app.tiny_assets import build_tiny_gpt2
 
-    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+    return build_tiny_gpt2(tiny_models_root / "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_models_root: Path) -> Path:
+    from app.tiny_assets import build_tiny_llama
+
+    return build_tiny_llama(tiny_models_root / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tiny_models_root: Path) -> Path:
+    from app.tiny_assets import build_tiny_bert
+
+    return build_tiny_bert(tiny_models_root / "bert")

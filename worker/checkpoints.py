@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +69,92 @@ def export_dir(spec: RunSpec) -> Path:
     return Path(spec.storage_path) / spec.run_id / "export"
 
 
-def export_hf_model(engine: Any, tokenizer: Any, spec: RunSpec, *, rank: int) -> str:
+def export_check_path(spec: RunSpec) -> Path:
+    """The probe batch and the engine's logits on it, kept beside the export."""
+    return Path(spec.storage_path) / spec.run_id / "export_check.pt"
+
+
+@dataclass(slots=True)
+class Export:
+    path: str
+    max_diff: float
+
+
+def export_hf_model(
+    engine: Any, tokenizer: Any, spec: RunSpec, *, rank: int, probe: dict[str, Any]
+) -> Export:
     """A folder `from_pretrained` loads: config, safetensors weights and the tokenizer.
 
-    Under ZeRO-3 the weights are partitioned, so every rank joins the gather and rank 0
-    receives the full state dict; below stage 3 every rank already holds full weights.
+    Weights partitioned by ZeRO-3 or sharded by AutoTP are gathered first: every rank
+    joins and rank 0 receives full tensors (`save_pretrained` of the module would write
+    rank 0's shard only). Then rank 0 loads the export back and checks that its logits on
+    a probe batch equal the trained engine's, so a broken export fails the run instead of
+    reaching a user.
     """
+    import torch
+
     out = export_dir(spec)
-    if spec.deepspeed.zero_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()
+    engine_logits = _engine_logits(engine, probe)
+    if spec.deepspeed.zero_stage == 3 or spec.deepspeed.tensor_parallel_size > 1:
+        state = engine._consolidated_16bit_state_dict()
     else:
         state = engine.module.state_dict() if rank == 0 else None
+    max_diff = 0.0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out)
-        log.info("run %s: exported model to %s", spec.run_id, out)
-    return str(out)
+        max_diff = _verify_export(out, spec, probe, engine_logits)
+        torch.save(
+            {**{k: v.cpu() for k, v in probe.items()}, "logits": engine_logits},
+            export_check_path(spec),
+        )
+        log.info("run %s: exported model to %s (max |logit diff| %.3g)", spec.run_id, out, max_diff)
+    return Export(path=str(out), max_diff=max_diff)
+
+
+def _engine_logits(engine: Any, probe: dict[str, Any]) -> Any:
+    import torch
+
+    device = next(engine.module.parameters()).device
+    engine.eval()
+    with torch.no_grad():
+        batch = {k: v.to(device) for k, v in probe.items() if k != "labels"}
+        logits = engine(**batch).logits.float().cpu()
+    engine.train()
+    return logits
+
+
+def _verify_export(out: Path, spec: RunSpec, probe: dict[str, Any], expected: Any) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = (
+        AutoModelForSequenceClassification
+        if spec.task == "sequence_classification"
+        else AutoModelForCausalLM
+    )
+    model = auto.from_pretrained(out).eval()
+    with torch.no_grad():
+        batch = {k: v.cpu() for k, v in probe.items() if k != "labels"}
+        logits = model(**batch).logits.float()
+    if logits.shape != expected.shape:
+        raise RuntimeError(
+            f"export check failed: logits shape {tuple(logits.shape)} != the trained "
+            f"engine's {tuple(expected.shape)}"
+        )
+    mask = probe["attention_mask"].bool()
+    diff = (
+        float((logits - expected).abs()[mask].max())
+        if logits.dim() == 3
+        else float((logits - expected).abs().max())
+    )
+    scale = float(expected.abs().max()) or 1.0
+    # fp32 matches to rounding; 16-bit weights and kernels differ a little more.
+    tolerance = 1e-3 if model.dtype == torch.float32 else 5e-2
+    if diff > tolerance * scale:
+        raise RuntimeError(
+            f"export check failed: the exported model's logits differ from the trained "
+            f"engine's by up to {diff:.3g} (tolerance {tolerance * scale:.3g})"
+        )
+    return diff

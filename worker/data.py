@@ -14,6 +14,9 @@ from worker.spec import DatasetSpec
 log = logging.getLogger("tuneyard.worker")
 
 # `datasets` builder for each local file type tuneyard accepts.
+# Label value that PyTorch's cross-entropy (and so every HF model) leaves out of the loss.
+IGNORE_INDEX = -100
+
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -21,10 +24,32 @@ def is_local_source(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~"))
 
 
-def load_raw_dataset(spec: DatasetSpec) -> Any:
-    """The dataset as `datasets.Dataset`, from a local file or folder or from the hub."""
+def required_fields(task: str, spec: DatasetSpec) -> list[tuple[str, str]]:
+    """(field, the request setting that names it) for every field this run reads."""
+    if spec.format == "prompt_completion":
+        return [
+            (spec.prompt_field, "dataset.prompt_field"),
+            (spec.completion_field, "dataset.completion_field"),
+        ]
+    fields = [(spec.text_field, "dataset.text_field")]
+    if task == "sequence_classification":
+        if spec.text_pair_field:
+            fields.append((spec.text_pair_field, "dataset.text_pair_field"))
+        fields.append((spec.label_field or "label", "dataset.label_field"))
+    return fields
+
+
+def load_raw_dataset(
+    spec: DatasetSpec, *, task: str = "causal_lm", split: str | None = None
+) -> Any:
+    """The dataset as `datasets.Dataset`, from a local file or folder or from the hub.
+
+    `split` defaults to `spec.split`. A local file is the split "train", and the usual
+    slicing applies to it too: split "train[:90%]" with eval_split "train[90%:]".
+    """
     from datasets import load_dataset
 
+    split = split or spec.split
     if is_local_source(spec.source):
         path = Path(spec.source).expanduser()
         files = (
@@ -42,16 +67,19 @@ def load_raw_dataset(spec: DatasetSpec) -> Any:
                 f"dataset.source {spec.source!r}: files must all be one of "
                 f"{sorted(LOCAL_BUILDERS)}, got {sorted(p.name for p in files)}"
             )
-        dataset = load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
-    else:
-        dataset = load_dataset(spec.source, spec.config, split=spec.split)
-
-    missing = [f for f in (spec.text_field,) if f not in dataset.column_names]
-    if missing:
-        raise ValueError(
-            f"dataset {spec.source!r} has no field {missing[0]!r} (dataset.text_field); "
-            f"its fields are {dataset.column_names}"
+        local_split = split if split.startswith("train") else "train"
+        dataset = load_dataset(
+            builders.pop(), data_files=[str(p) for p in files], split=local_split
         )
+    else:
+        dataset = load_dataset(spec.source, spec.config, split=split)
+
+    for name, setting in required_fields(task, spec):
+        if name not in dataset.column_names:
+            raise ValueError(
+                f"dataset {spec.source!r} has no field {name!r} ({setting}); "
+                f"its fields are {dataset.column_names}"
+            )
     if spec.max_samples is not None:
         dataset = dataset.select(range(min(spec.max_samples, len(dataset))))
     return dataset
@@ -83,10 +111,128 @@ class CausalLMCollator:
         longest = max(len(r["input_ids"]) for r in rows)
         input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        # Padding carries no loss: masked by position, not by token id, because pad may
+        # equal eos and eos is a real target.
+        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
         for i, row in enumerate(rows):
             ids = torch.tensor(row["input_ids"], dtype=torch.long)
             input_ids[i, : len(ids)] = ids
             attention_mask[i, : len(ids)] = 1
-        # Masked by position, not by token id: pad may equal eos, and eos is a real target.
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
+            # Rows with their own labels (prompt_completion) already mask the prompt.
+            labels[i, : len(ids)] = torch.tensor(row["labels"]) if "labels" in row else ids
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@dataclass(slots=True)
+class ClassificationCollator:
+    """Pads to the longest sequence in the batch; one label per example."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids = torch.tensor(row["input_ids"], dtype=torch.long)
+            input_ids[i, : len(ids)] = ids
+            attention_mask[i, : len(ids)] = 1
+        labels = torch.tensor([r["label"] for r in rows], dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def tokenize_prompt_completion(
+    dataset: Any, tokenizer: Any, *, prompt_field: str, completion_field: str, seq_length: int
+) -> Any:
+    """prompt + completion + eos as one sequence; only the completion (and eos) is learned."""
+    eos = tokenizer.eos_token_id
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        prompts = tokenizer([str(p) for p in batch[prompt_field]])["input_ids"]
+        # No special tokens inside the sequence: a BOS must not land between the two parts.
+        completions = tokenizer(
+            [str(c) for c in batch[completion_field]], add_special_tokens=False
+        )["input_ids"]
+        input_ids, labels = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            target = completion + ([eos] if eos is not None else [])
+            ids = (prompt + target)[:seq_length]
+            input_ids.append(ids)
+            labels.append(([IGNORE_INDEX] * len(prompt) + target)[:seq_length])
+        return {"input_ids": input_ids, "labels": labels}
+
+    tokenized = dataset.map(encode, batched=True, remove_columns=dataset.column_names)
+    # A completion truncated away entirely leaves nothing to learn from.
+    tokenized = tokenized.filter(lambda row: any(t != IGNORE_INDEX for t in row["labels"][1:]))
+    if len(tokenized) == 0:
+        raise ValueError(
+            f"no example keeps any of {completion_field!r} within seq_length ({seq_length})"
+        )
+    return tokenized
+
+
+def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None) -> Any:
+    """Concatenate examples (eos between them) and cut full `seq_length` blocks: no padding.
+
+    Labels travel with their tokens, so packed prompt_completion data still masks prompts.
+    The last partial block is dropped, as in the Hugging Face language-modeling examples.
+    """
+
+    def pack(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        ids: list[int] = []
+        labels: list[int] = []
+        has_labels = "labels" in batch
+        for i, row in enumerate(batch["input_ids"]):
+            row_labels = batch["labels"][i] if has_labels else row
+            ids.extend(row)
+            labels.extend(row_labels)
+            if eos_token_id is not None and (not row or row[-1] != eos_token_id):
+                ids.append(eos_token_id)
+                labels.append(eos_token_id)
+        blocks = len(ids) // seq_length
+        return {
+            "input_ids": [ids[b * seq_length : (b + 1) * seq_length] for b in range(blocks)],
+            "labels": [labels[b * seq_length : (b + 1) * seq_length] for b in range(blocks)],
+        }
+
+    # Large map batches keep the dropped remainder small.
+    packed = tokenized.map(
+        pack, batched=True, batch_size=10_000, remove_columns=tokenized.column_names
+    )
+    if len(packed) == 0:
+        raise ValueError(f"the dataset holds fewer than seq_length ({seq_length}) tokens to pack")
+    return packed
+
+
+def label_ids(dataset: Any, label_field: str) -> list[Any]:
+    """The label values in id order: integers as they are, other values sorted."""
+    values = set(dataset.unique(label_field))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise ValueError(f"integer labels in {label_field!r} must be >= 0")
+        return list(range(max(values) + 1))
+    return sorted(values, key=str)
+
+
+def tokenize_classification(
+    dataset: Any,
+    tokenizer: Any,
+    *,
+    text_field: str,
+    text_pair_field: str | None,
+    label_field: str,
+    labels: list[Any],
+    seq_length: int,
+) -> Any:
+    index = {value: i for i, value in enumerate(labels)}
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        texts = [str(t) for t in batch[text_field]]
+        pairs = [str(t) for t in batch[text_pair_field]] if text_pair_field else None
+        encoded = tokenizer(texts, pairs, truncation=True, max_length=seq_length)
+        unknown = [v for v in batch[label_field] if v not in index]
+        if unknown:
+            raise ValueError(f"label {unknown[0]!r} in {label_field!r} is not a training label")
+        return {"input_ids": encoded["input_ids"], "label": [index[v] for v in batch[label_field]]}
+
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names)

@@ -8,7 +8,7 @@ from worker.spec import RunSpec
 
 # ZeRO stages that DeepSpeed's AutoTP trains with, as verified on the installed version
 # (see tests/e2e); the service refuses other combinations up front.
-AUTOTP_ZERO_STAGES = (1, 2)
+AUTOTP_ZERO_STAGES = (0, 1, 2, 3)
 
 # DeepSpeed prints its own progress every N steps; tuneyard reports metrics itself.
 _QUIET_STEPS = 10**9
@@ -46,7 +46,6 @@ def resolve_deepspeed_config(spec: RunSpec, *, bf16_supported: bool = True) -> d
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": tr.batch_size_per_worker,
         "gradient_accumulation_steps": tr.gradient_accumulation_steps,
-        "train_batch_size": global_batch_size(spec),
         "gradient_clipping": tr.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -54,6 +53,13 @@ def resolve_deepspeed_config(spec: RunSpec, *, bf16_supported: bool = True) -> d
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
     }
+    if ds.tensor_parallel_size > 1:
+        # AutoTP: DeepSpeed shards the linear layers and builds the TP x DP process groups.
+        # It checks train_batch_size against the whole world before it knows the TP size,
+        # so the global batch is left for it to derive.
+        config["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size}
+    else:
+        config["train_batch_size"] = global_batch_size(spec)
     return config
 
 

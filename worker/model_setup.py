@@ -1,13 +1,23 @@
-"""Tokenizer, data loader, model, optimizer and scheduler for one rank."""
+"""Tokenizer, data loaders, model, optimizer and scheduler for one rank."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from worker.data import CausalLMCollator, load_raw_dataset, tokenize_dataset
+from worker.data import (
+    CausalLMCollator,
+    ClassificationCollator,
+    label_ids,
+    load_raw_dataset,
+    pack_sequences,
+    tokenize_classification,
+    tokenize_dataset,
+    tokenize_prompt_completion,
+)
 from worker.spec import RunSpec
 
 log = logging.getLogger("tuneyard.worker")
@@ -36,53 +46,137 @@ def load_tokenizer(spec: RunSpec) -> Any:
     return tokenizer
 
 
-def build_dataloader(spec: RunSpec, tokenizer: Any, *, rank: int) -> Any:
+@dataclass(slots=True)
+class Data:
+    train: Any
+    eval: Any | None
+    labels: list[Any] | None  # classification: label values in id order
+
+
+def prepare_examples(spec: RunSpec, tokenizer: Any, *, split: str | None) -> tuple[Any, Any]:
+    """Tokenized examples for one split, and the label values (classification only)."""
+    ds, tr = spec.dataset, spec.training
+    raw = load_raw_dataset(ds, task=spec.task, split=split)
+    if spec.task == "sequence_classification":
+        field = ds.label_field or "label"
+        labels = label_ids(raw, field)
+        examples = tokenize_classification(
+            raw,
+            tokenizer,
+            text_field=ds.text_field,
+            text_pair_field=ds.text_pair_field,
+            label_field=field,
+            labels=labels,
+            seq_length=tr.seq_length,
+        )
+        return examples, labels
+    if ds.format == "prompt_completion":
+        examples = tokenize_prompt_completion(
+            raw,
+            tokenizer,
+            prompt_field=ds.prompt_field,
+            completion_field=ds.completion_field,
+            seq_length=tr.seq_length,
+        )
+    else:
+        examples = tokenize_dataset(
+            raw, tokenizer, text_field=ds.text_field, seq_length=tr.seq_length
+        )
+    if tr.packing:
+        examples = pack_sequences(
+            examples, seq_length=tr.seq_length, eos_token_id=tokenizer.eos_token_id
+        )
+    return examples, None
+
+
+def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
     """Rank 0 loads and tokenizes first (filling the `datasets` cache); the others then
     read the cache instead of racing to write it."""
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
 
-    def prepare() -> Any:
-        raw = load_raw_dataset(spec.dataset)
-        return tokenize_dataset(
-            raw, tokenizer, text_field=spec.dataset.text_field, seq_length=spec.training.seq_length
-        )
+    def prepare() -> tuple[Any, Any, Any]:
+        train, labels = prepare_examples(spec, tokenizer, split=None)
+        evaluation = None
+        if spec.dataset.eval_split:
+            evaluation, eval_labels = prepare_examples(
+                spec, tokenizer, split=spec.dataset.eval_split
+            )
+            if labels is not None and eval_labels is not None:
+                unseen = set(eval_labels) - set(labels)
+                if unseen:
+                    raise ValueError(f"eval split has labels the train split lacks: {unseen}")
+        return train, evaluation, labels
 
     if rank == 0:
-        dataset = prepare()
+        train, evaluation, labels = prepare()
     if dist.is_initialized():
         dist.barrier()
     if rank != 0:
-        dataset = prepare()
+        train, evaluation, labels = prepare()
+    return Data(
+        train=_loader(spec, tokenizer, train, shuffle=True),
+        eval=_loader(spec, tokenizer, evaluation, shuffle=False) if evaluation else None,
+        labels=labels,
+    )
 
-    dp_size = spec.data_parallel_size
-    dp_rank = rank // spec.deepspeed.tensor_parallel_size
+
+def _loader(spec: RunSpec, tokenizer: Any, examples: Any, *, shuffle: bool) -> Any:
+    # Sharded by data-parallel rank: the ranks of one tensor-parallel group (consecutive
+    # ranks, as DeepSpeed lays out its mesh) see the same batch, as AutoTP requires.
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp = spec.deepspeed.tensor_parallel_size
     sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset,
-        num_replicas=dp_size,
-        rank=dp_rank,
-        shuffle=True,
+        examples,
+        num_replicas=spec.data_parallel_size,
+        rank=rank // tp,
+        shuffle=shuffle,
         seed=spec.training.seed,
-        drop_last=True,
+        # Training drops the ragged end; evaluation pads it so every rank runs as many
+        # forward passes (ZeRO-3 and AutoTP forwards are collective).
+        drop_last=shuffle,
+    )
+    collate: Any = (
+        ClassificationCollator(pad_token_id=tokenizer.pad_token_id)
+        if spec.task == "sequence_classification"
+        else CausalLMCollator(pad_token_id=tokenizer.pad_token_id)
     )
     return DataLoader(
-        dataset,
+        examples,
         batch_size=spec.training.batch_size_per_worker,
         sampler=sampler,
-        collate_fn=CausalLMCollator(pad_token_id=tokenizer.pad_token_id),
-        drop_last=True,
+        collate_fn=collate,
+        drop_last=shuffle,
     )
 
 
-def build_model_and_optimizer(spec: RunSpec, *, total_steps: int) -> tuple[Any, Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, get_scheduler
+def build_model(spec: RunSpec, tokenizer: Any, labels: list[Any] | None) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     with _loading(spec.model):
-        model = AutoModelForCausalLM.from_pretrained(spec.model)
+        if spec.task == "sequence_classification":
+            assert labels is not None
+            model = AutoModelForSequenceClassification.from_pretrained(
+                spec.model,
+                num_labels=len(labels),
+                id2label={i: str(v) for i, v in enumerate(labels)},
+                label2id={str(v): i for i, v in enumerate(labels)},
+            )
+            # Models without a pad token (GPT-2) cannot find the last token of a padded row.
+            model.config.pad_token_id = tokenizer.pad_token_id
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec.model)
     if spec.training.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    return model
+
+
+def build_optimizer(spec: RunSpec, model: Any, *, total_steps: int) -> tuple[Any, Any]:
+    import torch
+    from transformers import get_scheduler
 
     tr = spec.training
     # No weight decay on biases and norms, as in every reference LM recipe.
@@ -105,4 +199,4 @@ def build_model_and_optimizer(spec: RunSpec, *, total_steps: int) -> tuple[Any, 
     scheduler = get_scheduler(
         tr.lr_scheduler, optimizer, num_warmup_steps=tr.warmup_steps, num_training_steps=total_steps
     )
-    return model, optimizer, scheduler
+    return optimizer, scheduler

@@ -77,6 +77,9 @@ class ServiceClient:
             {"step": step, "epoch": epoch, "path": path, "kind": kind, "metrics": metrics},
         )
 
+    def event(self, type: str, message: str) -> bool:
+        return self.post("/events", {"type": type, "message": message})
+
     def close(self) -> None:
         self._http.close()
 

@@ -47,6 +47,7 @@ class TrainingSpec:
     packing: bool = False
     gradient_checkpointing: bool = False
     log_every_n_steps: int = 1
+    eval_every_n_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.epochs is None:

@@ -36,14 +36,16 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
     from transformers import set_seed
 
     from worker.deepspeed_config import resolve_deepspeed_config
-    from worker.model_setup import build_dataloader, build_model_and_optimizer, load_tokenizer
+    from worker.evaluation import evaluate
+    from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
 
     set_seed(spec.training.seed)
     device = _device(spec)
     tokenizer = load_tokenizer(spec)
-    loader = build_dataloader(spec, tokenizer, rank=rank)
-    plan = _StepPlan(spec, micro_batches_per_epoch=len(loader))
-    model, optimizer, scheduler = build_model_and_optimizer(spec, total_steps=plan.total_steps)
+    data = build_data(spec, tokenizer, rank=rank)
+    plan = _StepPlan(spec, micro_batches_per_epoch=len(data.train))
+    model = build_model(spec, tokenizer, data.labels)
+    optimizer, scheduler = build_optimizer(spec, model, total_steps=plan.total_steps)
     bf16_ok = bool(spec.resources.use_gpu and torch.cuda.is_bf16_supported())
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -52,14 +54,29 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
         config=resolve_deepspeed_config(spec, bf16_supported=bf16_ok),
     )
     step = restore_checkpoint(engine, spec)
+    if step and sinks.client is not None:
+        sinks.client.event(
+            "resumed", f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
+        )
     log.info("run %s rank %d: training steps %d..%d", spec.run_id, rank, step, plan.total_steps)
 
-    batches = plan.batches_from(loader, step)
-    every = spec.checkpointing.every_n_steps
+    def run_eval(at: int) -> None:
+        if data.eval is not None:
+            metrics = evaluate(
+                engine,
+                data.eval,
+                task=spec.task,
+                num_labels=len(data.labels or []) or 1,
+                tp_size=spec.deepspeed.tensor_parallel_size,
+            )
+            sinks.log_eval(metrics, step=at)
+
+    batches = plan.batches_from(data.train, step)
+    tr = spec.training
     while step < plan.total_steps:
         started = time.perf_counter()
         loss_sum, tokens, samples = torch.zeros((), device=device), 0, 0
-        for _ in range(spec.training.gradient_accumulation_steps):
+        for _ in range(tr.gradient_accumulation_steps):
             batch = {k: v.to(device) for k, v in next(batches).items()}
             loss = engine(**batch).loss
             engine.backward(loss)
@@ -68,7 +85,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
             tokens += int(batch["attention_mask"].sum())
             samples += batch["input_ids"].shape[0]
         step += 1
-        if step % spec.training.log_every_n_steps == 0 or step == plan.total_steps:
+        if step % tr.log_every_n_steps == 0 or step == plan.total_steps:
             sinks.log_step(
                 engine,
                 step=step,
@@ -79,19 +96,28 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
                 samples=samples,
                 total_steps=plan.total_steps,
             )
+        if tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps:
+            run_eval(step)
+        every = spec.checkpointing.every_n_steps
         if every and step % every == 0 and step < plan.total_steps:
             save_and_report_checkpoint(
                 engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
             )
 
+    run_eval(step)
     save_and_report_checkpoint(
         engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
     )
     if spec.checkpointing.export_hf:
-        path = export_hf_model(engine, tokenizer, spec, rank=rank)
+        probe = next(iter(data.train))
+        export = export_hf_model(engine, tokenizer, spec, rank=rank, probe=probe)
         if rank == 0 and sinks.client is not None:
             sinks.client.checkpoint(
-                step=step, epoch=plan.epoch_at(step), path=path, kind="hf", metrics=sinks.latest
+                step=step,
+                epoch=plan.epoch_at(step),
+                path=export.path,
+                kind="hf",
+                metrics={"export_max_logit_diff": export.max_diff},
             )
 
 
@@ -147,6 +173,7 @@ class _MetricSinks:
         self.latest: dict[str, float] = {}
         self.client: ServiceClient | None = None
         self.sender: MetricsSender | None = None
+        self._progress: dict[str, Any] = {}
         if rank == 0:
             self.client = ServiceClient(
                 base_url=os.environ[CALLBACK_URL_ENV],
@@ -181,16 +208,17 @@ class _MetricSinks:
                 torch.tensor(float(samples), dtype=torch.float64),
             ]
         )
+        world = 1
         if dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM)
             world = dist.get_world_size()
-        else:
-            world = 1
+        # The ranks of a tensor-parallel group train on the same batch: count it once.
+        tp = self.spec.deepspeed.tensor_parallel_size
         metrics = {
             "loss": float(totals[0]) / (accum * world),
             "learning_rate": float(engine.get_lr()[0]),
-            "tokens_per_second": float(totals[1]) / elapsed,
-            "samples_per_second": float(totals[2]) / elapsed,
+            "tokens_per_second": float(totals[1]) / tp / elapsed,
+            "samples_per_second": float(totals[2]) / tp / elapsed,
             "step_time_seconds": elapsed,
             "epoch": epoch,
             "memory_rss_bytes": float(psutil.Process().memory_info().rss),
@@ -201,12 +229,14 @@ class _MetricSinks:
         if torch.cuda.is_available():
             metrics["gpu_memory_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
         self.latest = metrics
+        self._progress = {"step": step, "total_steps": total_steps, "epoch": epoch}
         if self.sender is not None:
-            self.sender.log(
-                metrics,
-                step=step,
-                progress={"step": step, "total_steps": total_steps, "epoch": epoch},
-            )
+            self.sender.log(metrics, step=step, progress=self._progress)
+
+    def log_eval(self, metrics: dict[str, float], *, step: int) -> None:
+        self.latest = {**self.latest, **metrics}
+        if self.sender is not None:
+            self.sender.log(metrics, step=step, progress=self._progress or {"step": step})
 
     def close(self) -> None:
         if self.sender is not None:

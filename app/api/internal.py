@@ -7,8 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from app.api.deps import SessionDep, bearer_token
-from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
+from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.services import callbacks
+from app.services.run_status import record_event
 
 router = APIRouter(prefix="/v1/internal/runs", tags=["worker callbacks"])
 
@@ -45,3 +46,15 @@ def post_checkpoint(
     )
     checkpoint = callbacks.store_checkpoint(session, run, body)
     return {"id": checkpoint.id}
+
+
+@router.post(
+    "/{run_id}/events", summary="Worker: record something that happened", responses=_errors
+)
+def post_event(run_id: str, body: EventPost, request: Request, session: SessionDep) -> dict:
+    run = callbacks.authorize_worker(
+        session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
+    )
+    event = record_event(session, run, type=body.type, message=body.message)
+    session.flush()
+    return {"id": event.id}

@@ -11,6 +11,8 @@ from app.schemas.run_request import RunRequest
 from app.schemas.run_view import (
     CheckpointList,
     CheckpointView,
+    EventList,
+    EventView,
     MetricList,
     MetricView,
     RunList,
@@ -162,4 +164,26 @@ def get_checkpoints(
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     return CheckpointList(
         data=[CheckpointView.of(c) for c in run_data.list_checkpoints(session, run=run)]
+    )
+
+
+@router.get(
+    "/{run_id}/events",
+    response_model=EventList,
+    summary="A run's status changes and notable happenings, oldest first",
+    responses=_errors,
+)
+def get_events(
+    run_id: str,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    after: Annotated[int | None, Query(description="Only events with a larger id")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventList:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    return EventList(
+        data=[
+            EventView.of(e)
+            for e in run_data.list_events(session, run=run, after=after, limit=limit)
+        ]
     )

@@ -55,3 +55,10 @@ class CheckpointPost(BaseModel):
     path: str = Field(min_length=1, max_length=4096)
     kind: Literal["deepspeed", "hf"]
     metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class EventPost(BaseModel):
+    model_config = _strict
+    attempt: int
+    type: str = Field(min_length=1, max_length=32, pattern=r"^[a-z_]+$")
+    message: str = Field(max_length=10_000)

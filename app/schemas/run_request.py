@@ -76,6 +76,8 @@ class TrainingSpec(BaseModel):
     packing: bool = False
     gradient_checkpointing: bool = False
     log_every_n_steps: int = Field(default=1, gt=0)
+    # With dataset.eval_split: evaluate every N steps (None → only at the end).
+    eval_every_n_steps: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _needs_a_length(self) -> TrainingSpec:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from app.models import Checkpoint, Metric, Run
+from app.models import Checkpoint, Event, Metric, Run
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -141,3 +141,28 @@ class ValidationReport(BaseModel):
     errors: list[dict[str, str]]
     resolved: dict[str, Any] | None
     estimate: dict[str, Any] | None
+
+
+class EventView(BaseModel):
+    id: int
+    type: str
+    status: str | None
+    message: str
+    attempt: int
+    created_at: datetime
+
+    @classmethod
+    def of(cls, e: Event) -> EventView:
+        return cls(
+            id=e.id,
+            type=e.type,
+            status=e.status,
+            message=e.message,
+            attempt=e.attempt,
+            created_at=as_utc(e.created_at),
+        )  # type: ignore[arg-type]
+
+
+class EventList(BaseModel):
+    object: str = "list"
+    data: list[EventView]

@@ -6,7 +6,7 @@ from sqlalchemy import and_, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.errors import ValidationFailed, field_problem
-from app.models import Checkpoint, Metric, Run
+from app.models import Checkpoint, Event, Metric, Run
 
 MAX_METRICS_PAGE = 10_000
 
@@ -57,3 +57,11 @@ def _decode(cursor: str) -> tuple[int, int, str]:
 def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:
     query = select(Checkpoint).where(Checkpoint.run_id == run.id)
     return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
+
+
+def list_events(session: Session, *, run: Run, after: int | None, limit: int) -> list[Event]:
+    """Oldest first; `after` is the id of the last event the client has seen."""
+    query = select(Event).where(Event.run_id == run.id)
+    if after is not None:
+        query = query.where(Event.id > after)
+    return list(session.scalars(query.order_by(Event.id).limit(limit)))

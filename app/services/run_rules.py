@@ -100,30 +100,6 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
         for name in ("label_field", "text_pair_field"):
             if getattr(data, name) is not None:
                 add(f"dataset.{name}", f"{name} applies to task sequence_classification only")
-    problems.extend(_unsupported(req))
-    return problems
-
-
-def _unsupported(req: RunRequest) -> list[Problem]:
-    """Features the worker does not implement yet: refused here, before any compute."""
-    problems = []
-    if req.task != "causal_lm":
-        problems.append(field_problem("task", f"task {req.task!r} is not supported yet"))
-    if req.dataset.format != "text":
-        problems.append(
-            field_problem("dataset.format", f"format {req.dataset.format!r} is not supported yet")
-        )
-    if req.deepspeed.tensor_parallel_size != 1:
-        problems.append(
-            field_problem(
-                "deepspeed.tensor_parallel_size",
-                "AutoTP (tensor_parallel_size > 1) is not supported yet",
-            )
-        )
-    if req.training.packing:
-        problems.append(field_problem("training.packing", "packing is not supported yet"))
-    if req.dataset.eval_split is not None:
-        problems.append(field_problem("dataset.eval_split", "evaluation is not supported yet"))
     return problems
 
 

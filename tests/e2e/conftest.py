@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Service]:
+def service(tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path) -> Iterator[Service]:
     home = tmp_path_factory.mktemp("tuneyard-home")
     data_dir = tmp_path_factory.mktemp("datasets")
     port = _free_port()
@@ -58,7 +58,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
         **os.environ,
         "TUNEYARD_HOME": str(home),
         "TUNEYARD_PORT": str(port),
-        "TUNEYARD_ALLOWED_ROOTS": f"{tiny_model_dir}:{data_dir}",
+        "TUNEYARD_ALLOWED_ROOTS": f"{tiny_models_root}:{data_dir}",
         "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",

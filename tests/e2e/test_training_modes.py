@@ -1,0 +1,192 @@
+"""Every parallelism mode, precision and task, each proven by a real run on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from app.tiny_assets import (
+    write_jsonl_dataset,
+    write_paraphrase_dataset,
+    write_prompt_completion_dataset,
+)
+from tests.e2e.conftest import Service
+from tests.e2e.helpers import (
+    assert_export_matches_engine,
+    assert_succeeded,
+    checkpoints,
+    metric_series,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def _request(model: Path, data: Path, **groups: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": str(model),
+        "dataset": {"source": str(data), "text_field": "text"},
+        "training": {
+            "max_steps": 8,
+            "learning_rate": 3e-3,
+            "batch_size_per_worker": 8,
+            "seq_length": 64,
+        },
+        "deepspeed": {"zero_stage": 2},
+        "resources": {"num_workers": 2},
+        "fault_tolerance": {"max_failures": 0},
+    }
+    for name, values in groups.items():
+        body[name] = {**body.get(name, {}), **values}
+    return body
+
+
+@pytest.fixture(scope="module")
+def news(service: Service) -> Path:
+    return write_jsonl_dataset(service.data_dir / "news-modes.jsonl", rows=1200, seed=3)
+
+
+def test_zero3_with_eval_schedule_and_verified_export(
+    service: Service, tiny_model_dir: Path, news: Path
+) -> None:
+    body = _request(
+        tiny_model_dir,
+        news,
+        dataset={"split": "train[:90%]", "eval_split": "train[90%:]"},
+        training={"lr_scheduler": "cosine", "warmup_steps": 2, "eval_every_n_steps": 4},
+        deepspeed={"zero_stage": 3},
+    )
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+
+    assert sorted(metric_series(service, run["id"], "eval_loss")) == [4, 8]
+    perplexity = metric_series(service, run["id"], "eval_perplexity")
+    assert perplexity[8] < perplexity[4]
+    lr = metric_series(service, run["id"], "learning_rate")
+    assert lr[1] < lr[2]  # warming up
+    assert lr[8] < lr[3]  # cosine decay
+    assert_export_matches_engine(run, auto=AutoModelForCausalLM)
+    (hf,) = checkpoints(service, run["id"], "hf")
+    assert hf["metrics"]["export_max_logit_diff"] < 1e-3
+
+
+def test_zero0_packing_accumulation_and_gradient_checkpointing(
+    service: Service, tiny_model_dir: Path, news: Path
+) -> None:
+    body = _request(
+        tiny_model_dir,
+        news,
+        training={
+            "packing": True,
+            "gradient_accumulation_steps": 2,
+            "gradient_checkpointing": True,
+            "lr_scheduler": "linear",
+        },
+        deepspeed={"zero_stage": 0},
+    )
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+    tokens = metric_series(service, run["id"], "tokens_per_second")
+    samples = metric_series(service, run["id"], "samples_per_second")
+    # Packed blocks are full: every sample is exactly seq_length real tokens.
+    for step in tokens:
+        assert tokens[step] / samples[step] == pytest.approx(64)
+    losses = metric_series(service, run["id"], "loss")
+    assert losses[8] < losses[1]
+    assert_export_matches_engine(run, auto=AutoModelForCausalLM)
+
+
+def test_zero1_with_optimizer_offload(service: Service, tiny_model_dir: Path, news: Path) -> None:
+    body = _request(tiny_model_dir, news, deepspeed={"zero_stage": 1, "offload_optimizer": "cpu"})
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+    losses = metric_series(service, run["id"], "loss")
+    assert losses[8] < losses[1]
+
+
+def test_zero3_with_parameter_offload_in_bf16(
+    service: Service, tiny_model_dir: Path, news: Path
+) -> None:
+    body = _request(
+        tiny_model_dir,
+        news,
+        deepspeed={
+            "zero_stage": 3,
+            "offload_optimizer": "cpu",
+            "offload_params": "cpu",
+            "precision": "bf16",
+        },
+    )
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+    assert run["latest_metrics"]["loss"] < metric_series(service, run["id"], "loss")[1]
+    (hf,) = checkpoints(service, run["id"], "hf")
+    weights = load_file(Path(hf["path"]) / "model.safetensors")
+    assert {str(t.dtype) for t in weights.values()} == {"torch.bfloat16"}
+
+
+def test_autotp_tensor_parallel_llama(service: Service, tiny_llama_dir: Path, news: Path) -> None:
+    body = _request(tiny_llama_dir, news, deepspeed={"zero_stage": 1, "tensor_parallel_size": 2})
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+
+    # The DeepSpeed checkpoint holds one model shard per tensor-parallel rank...
+    final = Path(checkpoints(service, run["id"], "deepspeed")[-1]["path"])
+    shards = {p.name for p in (final / "step_8").iterdir()}
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= shards
+    # ...and the export is whole: q_proj at full size, not rank 0's half.
+    model = assert_export_matches_engine(run, auto=AutoModelForCausalLM)
+    assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (64, 64)
+    assert tuple(model.model.layers[0].self_attn.k_proj.weight.shape) == (32, 64)
+    # The data-parallel size is 1: each step sees one micro-batch of 8 samples, once.
+    samples = metric_series(service, run["id"], "samples_per_second")
+    step_time = metric_series(service, run["id"], "step_time_seconds")
+    assert samples[8] * step_time[8] == pytest.approx(8)
+
+
+def test_prompt_completion(service: Service, tiny_model_dir: Path) -> None:
+    data = write_prompt_completion_dataset(service.data_dir / "pc.jsonl", rows=600)
+    body = _request(
+        tiny_model_dir,
+        data,
+        dataset={"format": "prompt_completion", "text_field": "text"},
+        training={"max_steps": 12},
+    )
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+    losses = metric_series(service, run["id"], "loss")
+    assert losses[12] < losses[1] - 0.5
+
+
+def test_sequence_classification_with_accuracy_and_f1(
+    service: Service, tiny_bert_dir: Path
+) -> None:
+    data = write_paraphrase_dataset(service.data_dir / "mrpc-like.jsonl", rows=600)
+    body = _request(
+        tiny_bert_dir,
+        data,
+        dataset={
+            "text_field": "sentence1",
+            "text_pair_field": "sentence2",
+            "label_field": "label",
+            "split": "train[:80%]",
+            "eval_split": "train[80%:]",
+        },
+        deepspeed={"zero_stage": 3},
+    )
+    body["task"] = "sequence_classification"
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+
+    accuracy = metric_series(service, run["id"], "eval_accuracy")
+    f1 = metric_series(service, run["id"], "eval_f1")
+    assert list(accuracy) == [8] and list(f1) == [8]
+    assert 0.0 <= accuracy[8] <= 1.0 and 0.0 <= f1[8] <= 1.0
+    model = assert_export_matches_engine(run, auto=AutoModelForSequenceClassification)
+    assert model.config.id2label == {0: "0", 1: "1"}
+    config = json.loads((Path(run["output"]["model_path"]) / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
