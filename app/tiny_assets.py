@@ -133,9 +133,9 @@ def build_tiny_bert(folder: Path, *, num_labels: int = 2, max_positions: int = 1
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=max_positions,
-        num_labels=num_labels,
         pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
     )
+    config.num_labels = num_labels
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder
