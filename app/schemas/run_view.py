@@ -159,7 +159,7 @@ class EventView(BaseModel):
             status=e.status,
             message=e.message,
             attempt=e.attempt,
-            created_at=as_utc(e.created_at),  # type: ignore[arg-type]
+            created_at=as_utc(e.created_at),
         )
 
 
