@@ -9,19 +9,22 @@ same id, so there is never a second job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import transaction
 from app.models import Run, utcnow
-from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable
+from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
 from app.services.run_status import record_event, set_status
@@ -36,6 +39,8 @@ ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
 LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
+MAX_RAY_BACKOFF_S = 30.0
+LOG_TAIL_LINES = 20
 
 
 def submission_id(run: Run) -> str:
@@ -62,11 +67,21 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
 
 class Dispatcher:
     def __init__(
-        self, *, settings: Settings, session_factory: sessionmaker[Session], jobs: RayJobs
+        self,
+        *,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        jobs: RayJobs,
+        revive_ray: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.session_factory = session_factory
         self.jobs = jobs
+        # Embedded mode: restart the local head if it died (the service owns it).
+        self.revive_ray = revive_ray
+        # While Ray is unreachable, queued runs wait this long between tries (doubling).
+        self._ray_backoff_s = 0.0
+        self._ray_retry_at = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,13 +117,28 @@ class Dispatcher:
     # -- dispatch ---------------------------------------------------------------------
 
     def dispatch_queued_runs(self) -> int:
+        """Oldest first, while fewer than `max_concurrent_runs` are live."""
+        if time.monotonic() < self._ray_retry_at:
+            return 0
         with self.session_factory() as session:
+            live = session.scalar(select(func.count()).where(Run.status.in_(LIVE))) or 0
+            free = self.settings.max_concurrent_runs - live
+            if free <= 0:
+                return 0
             queued = list(
                 session.scalars(
-                    select(Run.id).where(Run.status == RunStatus.QUEUED).order_by(Run.created_at)
+                    select(Run.id)
+                    .where(Run.status == RunStatus.QUEUED)
+                    .order_by(Run.created_at, Run.id)
+                    .limit(free)
                 )
             )
-        return sum(1 for run_id in queued if self._dispatch(run_id))
+        dispatched = 0
+        for run_id in queued:
+            if time.monotonic() < self._ray_retry_at:
+                break  # Ray went away during this pass
+            dispatched += self._dispatch(run_id)
+        return dispatched
 
     def _dispatch(self, run_id: str) -> bool:
         token = new_secret("rt")
@@ -146,8 +176,16 @@ class Dispatcher:
         try:
             self.jobs.submit(submission_id=sid, entrypoint=ENTRYPOINT, runtime_env=runtime_env)
             log.info("run %s: submitted Ray job %s", run_id, sid)
+            self._ray_backoff_s = 0.0
         except RayUnavailable as exc:
-            log.warning("run %s: Ray unavailable, back to the queue: %s", run_id, exc)
+            self._ray_backoff_s = min(max(self._ray_backoff_s * 2, 1.0), MAX_RAY_BACKOFF_S)
+            self._ray_retry_at = time.monotonic() + self._ray_backoff_s
+            log.warning(
+                "run %s: Ray unavailable, back to the queue for %.0fs: %s",
+                run_id,
+                self._ray_backoff_s,
+                exc,
+            )
             self._settle(run_id, RunStatus.QUEUED, message=f"Ray unavailable, will retry: {exc}")
         except RayRejected as exc:
             log.error("run %s: Ray rejected the job: %s", run_id, exc)
@@ -177,44 +215,78 @@ class Dispatcher:
                 state = self.jobs.state(run.ray_submission_id)
             except RayUnavailable as exc:
                 log.warning("reconcile: Ray unavailable: %s", exc)
+                if self.revive_ray is not None:
+                    self.revive_ray()
                 return
             self._reconcile(run, state)
 
     def _reconcile(self, seen: Run, state: JobState | None) -> None:
+        status = seen.run_status
         if state is None:
-            updated = as_utc(seen.updated_at)
-            if seen.status == RunStatus.STARTING and updated and utcnow() - updated > SUBMIT_GRACE:
-                self._resubmit(seen.id)
-            elif seen.status != RunStatus.STARTING:
+            self._reconcile_unknown(seen)
+        elif state.status == "FAILED":
+            if status == RunStatus.CANCELLING:
+                self._settle(seen.id, RunStatus.CANCELLED, message="the Ray job ended")
+            else:
                 self._settle(
                     seen.id,
                     RunStatus.FAILED,
-                    error_code="lost",
-                    error_message="Ray no longer knows this run's job (the head restarted?)",
+                    error_code="job_failed",
+                    error_message=self._failure_message(seen, state),
                 )
-            return
-        if state.status == "FAILED":
-            self._settle(
-                seen.id,
-                RunStatus.FAILED,
-                error_code="job_failed",
-                error_message=f"the Ray job failed: {state.message}",
-            )
         elif state.status == "STOPPED":
-            target = (
-                RunStatus.CANCELLED if seen.status == RunStatus.CANCELLING else RunStatus.FAILED
-            )
-            self._settle(
-                seen.id,
-                target,
-                error_code=None if target == RunStatus.CANCELLED else "stopped",
-                error_message=None
-                if target == RunStatus.CANCELLED
-                else f"the Ray job was stopped: {state.message}",
-            )
+            if status == RunStatus.CANCELLING:
+                self._settle(seen.id, RunStatus.CANCELLED, message="Ray stopped the job")
+            else:
+                self._settle(
+                    seen.id,
+                    RunStatus.FAILED,
+                    error_code="stopped",
+                    error_message=f"the Ray job was stopped: {state.message}",
+                )
         elif state.status == "SUCCEEDED":
             # The entry point exits 0 only after training and export finished.
             self._settle(seen.id, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+        elif status == RunStatus.CANCELLING:
+            with contextlib.suppress(RayUnavailable):  # asked again on the next pass
+                self.jobs.stop(seen.ray_submission_id or "")
+
+    def _reconcile_unknown(self, seen: Run) -> None:
+        """Ray has no such job: never submitted (a crash before submit) or lost with the head."""
+        status = seen.run_status
+        if status == RunStatus.STARTING:
+            updated = as_utc(seen.updated_at)
+            if updated and utcnow() - updated > SUBMIT_GRACE:
+                self._resubmit(seen.id)
+        elif status == RunStatus.CANCELLING:
+            self._settle(seen.id, RunStatus.CANCELLED, message="the Ray job is gone")
+        elif seen.attempt <= seen.spec["fault_tolerance"]["max_failures"]:
+            self._settle(
+                seen.id,
+                RunStatus.QUEUED,
+                message=f"lost: Ray no longer knows job {seen.ray_submission_id} "
+                "(the head restarted?); a new attempt resumes from the latest checkpoint",
+            )
+        else:
+            self._settle(
+                seen.id,
+                RunStatus.FAILED,
+                error_code="lost",
+                error_message=f"Ray no longer knows job {seen.ray_submission_id} "
+                "(the head restarted?) and no attempts remain",
+            )
+
+    def _failure_message(self, run: Run, state: JobState) -> str:
+        message = f"the Ray job failed: {state.message}"
+        try:
+            tail = redact(
+                "\n".join(
+                    self.jobs.logs(run.ray_submission_id or "").splitlines()[-LOG_TAIL_LINES:]
+                )
+            )
+        except RayUnavailable:
+            return message
+        return f"{message}\nlast log lines:\n{tail}" if tail else message
 
     def _resubmit(self, run_id: str) -> None:
         """A `starting` run Ray never received (the service died before submitting)."""

@@ -41,8 +41,20 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
                 head = ensure_local_head(settings)
                 address = head.dashboard_url
             app.state.jobs = RayJobs(address)
+
+            def revive_local_head() -> None:
+                """The embedded head died: start (or re-attach to) one and point Ray at it."""
+                nonlocal head
+                if head is None:
+                    return
+                head = ensure_local_head(settings)
+                app.state.jobs.retarget(head.dashboard_url)
+
             dispatcher = Dispatcher(
-                settings=settings, session_factory=app.state.session_factory, jobs=app.state.jobs
+                settings=settings,
+                session_factory=app.state.session_factory,
+                jobs=app.state.jobs,
+                revive_ray=revive_local_head if head is not None else None,
             )
             app.state.dispatcher = dispatcher
             dispatcher.start()

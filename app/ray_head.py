@@ -81,9 +81,11 @@ def ensure_local_head(settings: Settings) -> LocalRayHead:
     state_file = settings.ray_state_dir / "head.json"
     if state_file.exists():
         head = LocalRayHead(**json.loads(state_file.read_text()))
-        if _alive(head.pid) and _dashboard_up(head.dashboard_url):
+        if _alive(head.pid):
+            # Alive but not answering yet is still ours: wait for it, never start a second.
             log.info("re-attached to local Ray head at %s (pid %d)", head.dashboard_url, head.pid)
             return head
+        _signal_group(head.pid, signal.SIGKILL)  # whatever of the dead head is left
         state_file.unlink()
 
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))

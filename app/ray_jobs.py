@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("tuneyard")
@@ -40,6 +44,12 @@ class RayJobs:
                 except Exception as exc:  # Ray raises bare ConnectionError/RuntimeError here
                     raise RayUnavailable(f"cannot reach Ray at {self.address}: {exc}") from exc
             return self._client
+
+    def retarget(self, address: str) -> None:
+        """Point at another Ray (the embedded head was restarted on new ports)."""
+        with self._lock:
+            self.address = address
+            self._client = None
 
     def _drop_client(self) -> None:
         with self._lock:
@@ -86,6 +96,15 @@ class RayJobs:
             raise RayUnavailable(f"cannot read job {submission_id} from Ray: {exc}") from exc
         return JobState(status=str(info.status.value), message=info.message or "")
 
+    def stop(self, submission_id: str) -> None:
+        try:
+            self._get_client().stop_job(submission_id)
+        except Exception as exc:
+            if "does not exist" in str(exc):
+                return
+            self._drop_client()
+            raise RayUnavailable(f"cannot stop job {submission_id}: {exc}") from exc
+
     def logs(self, submission_id: str) -> str:
         try:
             return str(self._get_client().get_job_logs(submission_id))
@@ -99,3 +118,22 @@ def _is_connection_error(exc: Exception) -> bool:
     return isinstance(exc, requests.ConnectionError | ConnectionError | TimeoutError) or (
         "Failed to connect" in str(exc) or "Connection refused" in str(exc)
     )
+
+
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
+
+
+def redact(text: str) -> str:
+    """Logs may echo credentials: Ray's auth token and bearer tokens never leave."""
+    for secret in _known_secrets():
+        text = text.replace(secret, "[redacted]")
+    return _BEARER.sub(r"\1[redacted]", text)
+
+
+def _known_secrets() -> list[str]:
+    secrets = [os.environ.get("RAY_AUTH_TOKEN", "")]
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        with contextlib.suppress(OSError):
+            secrets.append(Path(path).read_text().strip())
+    return [s for s in secrets if len(s) >= 8]

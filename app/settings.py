@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
 
+    # Runs live on Ray at once; the rest wait in the queue, oldest first.
+    max_concurrent_runs: int = Field(default=4, ge=1)
     # How often the dispatcher looks for queued runs and checks Ray's view of live ones.
     dispatch_interval_s: float = Field(default=1.0, gt=0)
     # CPUs the embedded Ray head advertises; unset → Ray counts the machine's cores.

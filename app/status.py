@@ -32,7 +32,14 @@ _ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
             RunStatus.FAILED,
         }
     ),
-    RunStatus.RUNNING: frozenset({RunStatus.CANCELLING, RunStatus.SUCCEEDED, RunStatus.FAILED}),
+    RunStatus.RUNNING: frozenset(
+        {
+            RunStatus.QUEUED,  # Ray lost the job (head restarted): a new attempt
+            RunStatus.CANCELLING,
+            RunStatus.SUCCEEDED,
+            RunStatus.FAILED,
+        }
+    ),
     RunStatus.CANCELLING: frozenset({RunStatus.CANCELLED, RunStatus.FAILED, RunStatus.SUCCEEDED}),
     # Terminal states never change, except that resume starts a new attempt.
     RunStatus.FAILED: frozenset({RunStatus.QUEUED}),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Body, Header, Query, Request, Response, status
+from fastapi.responses import PlainTextResponse
+from sse_starlette import EventSourceResponse
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.schemas.run_request import RunRequest
@@ -19,7 +21,7 @@ from app.schemas.run_view import (
     RunView,
     ValidationReport,
 )
-from app.services import run_data, runs
+from app.services import run_control, run_data, run_logs, run_stream, runs
 from app.status import RunStatus
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -65,7 +67,7 @@ def create_run(
     dispatcher = getattr(request.app.state, "dispatcher", None)
     if dispatcher is not None and created:
         background.add_task(dispatcher.wake)
-    return RunView.of(run)
+    return RunView.of(run, queue_position=runs.queue_position(session, run))
 
 
 @router.post(
@@ -125,12 +127,16 @@ def list_runs(
         limit=limit,
         cursor=cursor,
     )
-    return RunList(data=[RunView.of(r) for r in rows], next_cursor=next_cursor)
+    return RunList(
+        data=[RunView.of(r, queue_position=runs.queue_position(session, r)) for r in rows],
+        next_cursor=next_cursor,
+    )
 
 
 @router.get("/{run_id}", response_model=RunView, summary="Get one run", responses=_errors)
 def get_run(run_id: str, session: SessionDep, principal: CurrentPrincipal) -> RunView:
-    return RunView.of(runs.get_run(session, run_id=run_id, owner_id=principal.id))
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    return RunView.of(run, queue_position=runs.queue_position(session, run))
 
 
 @router.get(
@@ -187,3 +193,75 @@ def get_events(
             for e in run_data.list_events(session, run=run, after=after, limit=limit)
         ]
     )
+
+
+@router.post(
+    "/{run_id}/cancel",
+    response_model=RunView,
+    summary="Cancel a run",
+    description="Queued → cancelled; live → cancelling, then cancelled once Ray confirms. "
+    "Repeating it is harmless.",
+    responses={**_errors, 409: {"description": "The run already finished"}},
+)
+def cancel_run(
+    run_id: str, request: Request, session: SessionDep, principal: CurrentPrincipal
+) -> RunView:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
+    return RunView.of(run_control.cancel_run(session, run, jobs=request.app.state.jobs))
+
+
+@router.post(
+    "/{run_id}/resume",
+    response_model=RunView,
+    summary="Resume a failed or cancelled run from its latest checkpoint",
+    responses={**_errors, 409: {"description": "The run is not failed or cancelled"}},
+)
+def resume_run(
+    run_id: str,
+    request: Request,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    background: BackgroundTasks,
+) -> RunView:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
+    run = run_control.resume_run(session, run)
+    if request.app.state.dispatcher is not None:
+        background.add_task(request.app.state.dispatcher.wake)
+    return RunView.of(run)
+
+
+@router.get(
+    "/{run_id}/logs",
+    summary="The Ray job's log text",
+    response_class=PlainTextResponse,
+    responses={**_errors, 503: {"description": "Ray cannot be reached"}},
+)
+def get_logs(
+    run_id: str,
+    request: Request,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    tail: Annotated[int | None, Query(ge=1, le=100_000, description="Last N lines")] = None,
+) -> PlainTextResponse:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    return PlainTextResponse(run_logs.read_logs(run, jobs=request.app.state.jobs, tail=tail))
+
+
+@router.get(
+    "/{run_id}/events/stream",
+    summary="Server-Sent Events: the run's events and metrics as they arrive",
+    description="Reconnect with `Last-Event-ID` to continue without loss. "
+    "The stream ends with an `end` event once the run is terminal.",
+    responses={**_errors, 200: {"content": {"text/event-stream": {}}}},
+)
+def stream_events(
+    run_id: str,
+    request: Request,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventSourceResponse:
+    runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    cursor = run_stream.StreamCursor.parse(last_event_id)
+    factory = request.app.state.read_session_factory
+    return EventSourceResponse(run_stream.stream_run(factory, run_id, cursor), ping=15)

@@ -50,9 +50,11 @@ class RunView(BaseModel):
     error: ErrorView | None
     output: OutputView
     metadata: dict[str, str]
+    # Only while queued: 1 means it is dispatched next.
+    queue_position: int | None = None
 
     @classmethod
-    def of(cls, run: Run) -> RunView:
+    def of(cls, run: Run, *, queue_position: int | None = None) -> RunView:
         fraction = run.step / run.total_steps if run.total_steps else None
         step_time = run.latest_metrics.get("step_time_seconds")
         eta = (
@@ -82,6 +84,7 @@ class RunView(BaseModel):
             else None,
             output=OutputView(model_path=run.model_path, latest_checkpoint=run.latest_checkpoint),
             metadata=run.run_metadata,
+            queue_position=queue_position,
         )
 
 

@@ -35,6 +35,10 @@ def apply_status(session: Session, run: Run, post: StatusPost) -> None:
     new = RunStatus(post.status)
     if run.run_status == RunStatus.CANCELLING and new == RunStatus.RUNNING:
         return  # a late "running" must not undo a cancel request
+    if run.run_status == RunStatus.CANCELLING and new == RunStatus.FAILED:
+        # Stopping a job can make its workers fail; the user asked for a cancel.
+        set_status(session, run, RunStatus.CANCELLED, message="cancelled while it was running")
+        return
     if run.run_status == RunStatus.QUEUED and new == RunStatus.RUNNING:
         # The worker can report before the dispatcher has committed `starting`.
         set_status(session, run, RunStatus.STARTING, message="job accepted by Ray")

@@ -40,6 +40,14 @@ def set_status(
     run.status = new
     if new == RunStatus.RUNNING and run.started_at is None:
         run.started_at = now
+    if new == RunStatus.QUEUED and current != RunStatus.STARTING:
+        # A new attempt (resume, or a job Ray lost): the old one's outcome is history now.
+        run.attempt += 1
+        run.finished_at = None
+        run.error_code = None
+        run.error_message = None
+        run.ray_submission_id = None
+        run.callback_token_hash = None
     if new.is_terminal():
         run.finished_at = now
         # A finished run's worker has nothing more to say.

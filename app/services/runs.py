@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -109,8 +109,8 @@ def _find_idempotent(session: Session, owner_id: str, key: str, request_hash: st
     return earlier
 
 
-def get_run(session: Session, *, run_id: str, owner_id: str) -> Run:
-    run = session.get(Run, run_id)
+def get_run(session: Session, *, run_id: str, owner_id: str, for_update: bool = False) -> Run:
+    run = session.get(Run, run_id, with_for_update=for_update)
     # Another principal's run is indistinguishable from a missing one.
     if run is None or run.owner_id != owner_id:
         raise NotFound(f"run {run_id} not found")
@@ -159,3 +159,19 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise ValidationFailed(
             [{"field": "cursor", "message": "cursor is not one this service issued"}]
         ) from exc
+
+
+def queue_position(session: Session, run: Run) -> int | None:
+    """1 for the next run to dispatch; None once it left the queue."""
+    if run.status != RunStatus.QUEUED:
+        return None
+    ahead = session.scalar(
+        select(func.count()).where(
+            Run.status == RunStatus.QUEUED,
+            or_(
+                Run.created_at < run.created_at,
+                and_(Run.created_at == run.created_at, Run.id < run.id),
+            ),
+        )
+    )
+    return int(ahead or 0) + 1

@@ -32,6 +32,8 @@ class ScriptedRay:
         self.submitted: list[dict[str, Any]] = []
         self.fail_with: Exception | None = None
         self.states: dict[str, JobState | None] = {}
+        self.logs_text = ""
+        self.stopped: list[str] = []
         self._lock = threading.Lock()
 
     def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
@@ -48,6 +50,12 @@ class ScriptedRay:
 
     def state(self, submission_id: str) -> JobState | None:
         return self.states.get(submission_id, JobState(status="RUNNING", message=""))
+
+    def logs(self, submission_id: str) -> str:
+        return self.logs_text
+
+    def stop(self, submission_id: str) -> None:
+        self.stopped.append(submission_id)
 
 
 def dispatch_to(
@@ -139,7 +147,7 @@ class TestDispatch:
         assert spec.training.max_steps == 5
         assert spec.deepspeed.zero_stage == 2
 
-    def test_ray_unreachable_leaves_the_run_queued_then_it_goes(
+    def test_ray_unreachable_leaves_the_run_queued_and_retries_with_backoff(
         self,
         client: TestClient,
         auth: dict[str, str],
@@ -147,7 +155,10 @@ class TestDispatch:
         session_factory: sessionmaker[Session],
         dispatcher: Dispatcher,
         ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
+        now = [1000.0]
+        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
         dispatcher.dispatch_queued_runs()
@@ -156,9 +167,38 @@ class TestDispatch:
         assert any("Ray unavailable" in e.message for e in _events(session_factory, run_id))
 
         ray.fail_with = None
+        dispatcher.dispatch_queued_runs()  # still backing off: not even tried
+        assert _run(session_factory, run_id).status == "queued"
+        now[0] += 1.5
         dispatcher.dispatch_queued_runs()
         assert _run(session_factory, run_id).status == "starting"
         assert [j["submission_id"] for j in ray.submitted] == [f"{run_id}-1"]
+
+    def test_the_backoff_doubles_while_ray_stays_away(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        now = [1000.0]
+        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        calls = []
+
+        def down(**kwargs: Any) -> None:
+            calls.append(now[0])
+            raise RayUnavailable("down")
+
+        monkeypatch.setattr(ray, "submit", down)
+        _create(client, auth, tmp_path)
+        for _ in range(200):  # 100 s of ticks every half second
+            dispatcher.dispatch_queued_runs()
+            now[0] += 0.5
+        gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+        assert gaps[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
+        assert max(gaps) == 30.0
 
     def test_ray_rejecting_the_job_fails_the_run_with_its_message(
         self,
@@ -191,8 +231,9 @@ class TestDispatch:
         for i in range(6):
             (tmp_path / str(i)).mkdir()
             ids.append(_create(client, auth, tmp_path / str(i)))
+        roomy = settings.model_copy(update={"max_concurrent_runs": 100})
         peers = [
-            Dispatcher(settings=settings, session_factory=session_factory, jobs=ray)  # type: ignore[arg-type]
+            Dispatcher(settings=roomy, session_factory=session_factory, jobs=ray)  # type: ignore[arg-type]
             for _ in range(3)
         ]
         threads = [threading.Thread(target=p.dispatch_queued_runs) for p in peers]
@@ -201,6 +242,33 @@ class TestDispatch:
         for t in threads:
             t.join()
         assert sorted(j["submission_id"] for j in ray.submitted) == sorted(f"{i}-1" for i in ids)
+
+    def test_at_most_max_concurrent_runs_oldest_first_with_queue_positions(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        ray: ScriptedRay,
+    ) -> None:
+        ids = []
+        for i in range(5):
+            (tmp_path / str(i)).mkdir()
+            ids.append(_create(client, auth, tmp_path / str(i)))
+        two = settings.model_copy(update={"max_concurrent_runs": 2})
+        dispatch_to(ray, two, session_factory)
+        assert [j["submission_id"] for j in ray.submitted] == [f"{i}-1" for i in ids[:2]]
+
+        positions = [
+            client.get(f"/v1/runs/{i}", headers=auth).json()["queue_position"] for i in ids
+        ]
+        assert positions == [None, None, 1, 2, 3]
+        listed = client.get("/v1/runs", headers=auth).json()["data"]
+        assert [r["queue_position"] for r in listed] == [3, 2, 1, None, None]
+
+        dispatch_to(ray, two, session_factory)  # still two live: nothing more goes
+        assert len(ray.submitted) == 2
 
 
 class TestReconcile:
@@ -212,19 +280,67 @@ class TestReconcile:
         dispatcher.dispatch_queued_runs()
         return run_id
 
-    def test_ray_failed_fails_the_run_with_rays_message(
+    def test_ray_failed_fails_the_run_with_rays_message_and_log_tail(
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "s3cr3t-ray-token")
+        ray.logs_text = "\n".join(f"line {i}" for i in range(50)) + (
+            "\nconnecting with s3cr3t-ray-token\nKilled: out of memory"
+        )
+        ray.states[f"{run_id}-1"] = JobState(status="FAILED", message="exit code 137")
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert run.status == "failed"
+        assert run.error_code == "job_failed"
+        message = run.error_message or ""
+        assert "exit code 137" in message
+        assert "Killed: out of memory" in message
+        assert "line 20" not in message  # only the tail
+        assert "s3cr3t-ray-token" not in message
+
+    def test_a_lost_job_with_attempts_left_starts_a_new_attempt(
         self,
         run_id: str,
         session_factory: sessionmaker[Session],
         dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
-        ray.states[f"{run_id}-1"] = JobState(status="FAILED", message="exit code 1: OOM")
+        with session_factory.begin() as session:
+            session.execute(update(Run).where(Run.id == run_id).values(status="running"))
+        ray.states[f"{run_id}-1"] = None
         dispatcher.reconcile_live_runs()
         run = _run(session_factory, run_id)
-        assert run.status == "failed"
-        assert run.error_code == "job_failed"
-        assert "OOM" in (run.error_message or "")
+        assert (run.status, run.attempt, run.error_code) == ("queued", 2, None)
+        assert any(e.message.startswith("lost") for e in _events(session_factory, run_id))
+
+        dispatcher.dispatch_queued_runs()
+        assert ray.submitted[-1]["submission_id"] == f"{run_id}-2"
+        spec = json.loads(ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_SPEC"])
+        assert spec["attempt"] == 2
+
+    def test_cancelling_settles_when_ray_confirms_and_re_asks_until_then(
+        self,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        with session_factory.begin() as session:
+            session.execute(update(Run).where(Run.id == run_id).values(status="cancelling"))
+        dispatcher.reconcile_live_runs()  # Ray still says RUNNING
+        assert ray.stopped == [f"{run_id}-1"]
+        assert _run(session_factory, run_id).status == "cancelling"
+
+        ray.states[f"{run_id}-1"] = JobState(status="STOPPED", message="")
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert run.status == "cancelled"
+        assert run.error_code is None
 
     def test_ray_succeeded_settles_a_run_whose_callback_was_lost(
         self,
@@ -250,7 +366,7 @@ class TestReconcile:
         assert run.status == "failed"
         assert run.error_code == "stopped"
 
-    def test_a_running_job_ray_forgot_is_lost(
+    def test_a_running_job_ray_forgot_is_lost_when_no_attempts_remain(
         self,
         run_id: str,
         session_factory: sessionmaker[Session],
@@ -258,7 +374,10 @@ class TestReconcile:
         ray: ScriptedRay,
     ) -> None:
         with session_factory.begin() as session:
-            session.execute(update(Run).where(Run.id == run_id).values(status="running"))
+            run = session.get(Run, run_id)
+            assert run is not None
+            run.status = "running"
+            run.spec = {**run.spec, "fault_tolerance": {"max_failures": 0}}
         ray.states[f"{run_id}-1"] = None
         dispatcher.reconcile_live_runs()
         run = _run(session_factory, run_id)

@@ -1,0 +1,92 @@
+"""Server-Sent Events for one run: its events and metrics as they arrive.
+
+Each SSE id is "<last event id>:<last metric id>", so a client that reconnects with
+Last-Event-ID continues exactly where it stopped and loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from sse_starlette import ServerSentEvent
+
+from app.errors import ValidationFailed, field_problem
+from app.models import Event, Metric, Run
+from app.schemas.run_view import EventView, MetricView
+from app.status import RunStatus
+
+POLL_INTERVAL_S = 0.5
+BATCH = 500
+
+
+@dataclass(slots=True)
+class StreamCursor:
+    event_id: int = 0
+    metric_id: int = 0
+
+    @classmethod
+    def parse(cls, value: str | None) -> StreamCursor:
+        if not value:
+            return cls()
+        try:
+            event_id, metric_id = value.split(":")
+            return cls(int(event_id), int(metric_id))
+        except ValueError as exc:
+            raise ValidationFailed(
+                [field_problem("Last-Event-ID", "not an id this stream sent")]
+            ) from exc
+
+    def __str__(self) -> str:
+        return f"{self.event_id}:{self.metric_id}"
+
+
+def _read(
+    factory: sessionmaker[Session], run_id: str, cursor: StreamCursor
+) -> tuple[list[Event], list[Metric], bool]:
+    with factory() as session:
+        events = list(
+            session.scalars(
+                select(Event)
+                .where(Event.run_id == run_id, Event.id > cursor.event_id)
+                .order_by(Event.id)
+                .limit(BATCH)
+            )
+        )
+        metrics = list(
+            session.scalars(
+                select(Metric)
+                .where(Metric.run_id == run_id, Metric.id > cursor.metric_id)
+                .order_by(Metric.id)
+                .limit(BATCH)
+            )
+        )
+        run = session.get(Run, run_id)
+        terminal = run is None or RunStatus(run.status).is_terminal()
+        return events, metrics, terminal
+
+
+async def stream_run(
+    factory: sessionmaker[Session], run_id: str, cursor: StreamCursor
+) -> AsyncIterator[ServerSentEvent]:
+    """Until the run is terminal and everything stored has been sent."""
+    while True:
+        events, metrics, terminal = await anyio.to_thread.run_sync(_read, factory, run_id, cursor)
+        for e in events:
+            cursor.event_id = e.id
+            yield ServerSentEvent(EventView.of(e).model_dump_json(), event="event", id=str(cursor))
+        for m in metrics:
+            cursor.metric_id = m.id
+            yield ServerSentEvent(
+                MetricView.of(m).model_dump_json(), event="metric", id=str(cursor)
+            )
+        if terminal and not events and not metrics:
+            yield ServerSentEvent(json.dumps({"run_id": run_id}), event="end", id=str(cursor))
+            return
+        if len(events) < BATCH and len(metrics) < BATCH:
+            await anyio.sleep(POLL_INTERVAL_S)
