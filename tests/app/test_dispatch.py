@@ -6,6 +6,7 @@ answers the way Ray's JobSubmissionClient does in those cases (see app/ray_jobs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from datetime import timedelta
@@ -196,7 +197,7 @@ class TestDispatch:
         for _ in range(200):  # 100 s of ticks every half second
             dispatcher.dispatch_queued_runs()
             now[0] += 0.5
-        gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(calls)]
         assert gaps[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
         assert max(gaps) == 30.0
 
