@@ -178,6 +178,8 @@ class Dispatcher:
             log.info("run %s: submitted Ray job %s", run_id, sid)
             self._ray_backoff_s = 0.0
         except RayUnavailable as exc:
+            if self.revive_ray is not None:
+                self.revive_ray()
             self._ray_backoff_s = min(max(self._ray_backoff_s * 2, 1.0), MAX_RAY_BACKOFF_S)
             self._ray_retry_at = time.monotonic() + self._ray_backoff_s
             log.warning(

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from worker.failures import describe_failure
+from worker.failures import describe_failure, failure_code
 from worker.service_client import ServiceClient
 from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
 
@@ -32,9 +32,9 @@ def main() -> int:
         result = build_trainer(spec).fit()
         log.info("run %s: finished, checkpoint %s", spec.run_id, result.checkpoint)
     except BaseException as exc:
-        message = describe_failure(exc)
-        log.error("run %s: failed: %s", spec.run_id, message)
-        client.status("failed", error=message)
+        message, code = describe_failure(exc), failure_code(exc)
+        log.error("run %s: failed (%s): %s", spec.run_id, code, message)
+        client.status("failed", error=message, code=code)
         client.close()
         return 1
     client.status("succeeded")

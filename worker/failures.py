@@ -5,6 +5,39 @@ from __future__ import annotations
 MAX_MESSAGE_CHARS = 2_000
 
 
+def failure_code(exc: BaseException) -> str:
+    """`cluster_error` when Ray itself failed under the run (a node or the head went away),
+    which a new attempt can survive; `training_error` for everything the run's own code or
+    data raised, which would fail again the same way."""
+    from ray.exceptions import RayError, RayTaskError
+
+    root = _root(_first_failure(exc))
+    return (
+        "cluster_error"
+        if isinstance(root, RayError) and not isinstance(root, RayTaskError)
+        else "training_error"
+    )
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    worker_failures = getattr(exc, "worker_failures", None)
+    if worker_failures:
+        return min(worker_failures.items())[1]
+    controller_failure = getattr(exc, "controller_failure", None)
+    return controller_failure if isinstance(controller_failure, BaseException) else exc
+
+
+def _root(exc: BaseException) -> BaseException:
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None) or exc.__cause__
+        if not isinstance(cause, BaseException):
+            break
+        exc = cause
+    return exc
+
+
 def describe_failure(exc: BaseException) -> str:
     """The root cause's own words, not Ray's wrapping of them.
 
@@ -22,13 +55,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def _root_message(exc: BaseException) -> str:
-    seen: set[int] = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        cause = getattr(exc, "cause", None) or exc.__cause__
-        if not isinstance(cause, BaseException):
-            break
-        exc = cause
+    exc = _root(exc)
     text = str(exc).strip()
     # RayTaskError's text is a whole traceback; its last line names the real error.
     lines = [line for line in text.splitlines() if line.strip()]

@@ -35,9 +35,32 @@ def apply_status(session: Session, run: Run, post: StatusPost) -> None:
     new = RunStatus(post.status)
     if run.run_status == RunStatus.CANCELLING and new == RunStatus.RUNNING:
         return  # a late "running" must not undo a cancel request
+    if (
+        new == RunStatus.FAILED
+        and post.error is not None
+        and post.error.code == "cluster_error"
+        and run.run_status != RunStatus.CANCELLING
+        and run.attempt <= run.spec["fault_tolerance"]["max_failures"]
+    ):
+        # Ray failed under the run (the head or a node went away): a new attempt resumes
+        # from the latest checkpoint, within the run's fault_tolerance.max_failures.
+        set_status(
+            session,
+            run,
+            RunStatus.QUEUED,
+            message=f"lost: the cluster failed under attempt {run.attempt} "
+            f"({post.error.message}); a new attempt resumes from the latest checkpoint",
+        )
+        return
     if run.run_status == RunStatus.CANCELLING and new == RunStatus.FAILED:
-        # Stopping a job can make its workers fail; the user asked for a cancel.
-        set_status(session, run, RunStatus.CANCELLED, message="cancelled while it was running")
+        # Stopping a job makes its workers fail. The user asked for a cancel, and the run
+        # becomes `cancelled` once Ray confirms the job has stopped (the reconciler's call).
+        record_event(
+            session,
+            run,
+            type="message",
+            message=f"the worker stopped: {post.error.message if post.error else ''}",
+        )
         return
     if run.run_status == RunStatus.QUEUED and new == RunStatus.RUNNING:
         # The worker can report before the dispatcher has committed `starting`.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,11 +22,49 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 @dataclass
 class Service:
+    """A real `python -m app serve` process; tests may kill and restart it."""
+
     base_url: str
     home: Path
     data_dir: Path
     http: httpx.Client
     log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180) -> None:
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app", "serve"],
+                env=self.env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log_path.read_text()[-3000:]
+            try:
+                if self.http.get("/healthz").json()["ray"]["reachable"]:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        """kill -9: no shutdown code runs, as in a crash."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # a clean shutdown also stops the local Ray head
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/v1/runs", json=body)
@@ -34,13 +73,18 @@ class Service:
         return run
 
     def wait_terminal(self, run_id: str, timeout_s: float = 600) -> dict[str, Any]:
+        return self.wait_for(run_id, TERMINAL, timeout_s)
+
+    def wait_for(self, run_id: str, statuses: set[str], timeout_s: float = 600) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
+        run: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            run: dict[str, Any] = self.http.get(f"/v1/runs/{run_id}").json()
-            if run["status"] in TERMINAL:
-                return run
-            time.sleep(1)
-        raise AssertionError(f"run {run_id} not finished after {timeout_s}s: {run}")
+            with contextlib.suppress(httpx.HTTPError):
+                run = self.http.get(f"/v1/runs/{run_id}").json()
+                if run["status"] in statuses:
+                    return run
+            time.sleep(0.5)
+        raise AssertionError(f"run {run_id} not {statuses} after {timeout_s}s: {run}")
 
 
 def _free_port() -> int:
@@ -49,16 +93,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path) -> Iterator[Service]:
-    home = tmp_path_factory.mktemp("tuneyard-home")
-    data_dir = tmp_path_factory.mktemp("datasets")
+def make_service(home: Path, data_dir: Path, allowed_roots: list[Path]) -> Service:
+    """A service on its embedded defaults under `home`, with an API key; not yet started."""
     port = _free_port()
     env = {
         **os.environ,
         "TUNEYARD_HOME": str(home),
         "TUNEYARD_PORT": str(port),
-        "TUNEYARD_ALLOWED_ROOTS": f"{tiny_models_root}:{data_dir}",
+        "TUNEYARD_ALLOWED_ROOTS": ":".join(str(r) for r in [*allowed_roots, data_dir]),
         "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
@@ -71,39 +113,29 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path) ->
         capture_output=True,
         text=True,
     ).stdout.strip()
-    log_path = home / "service.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
     http = httpx.Client(
         base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=30
     )
+    return Service(
+        base_url=f"http://127.0.0.1:{port}",
+        home=home,
+        data_dir=data_dir,
+        http=http,
+        log_path=home / "service.log",
+        env=env,
+    )
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path) -> Iterator[Service]:
+    svc = make_service(
+        tmp_path_factory.mktemp("tuneyard-home"),
+        tmp_path_factory.mktemp("datasets"),
+        [tiny_models_root],
+    )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if http.get("/healthz").json()["ray"]["reachable"]:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        yield Service(
-            base_url=f"http://127.0.0.1:{port}",
-            home=home,
-            data_dir=data_dir,
-            http=http,
-            log_path=log_path,
-        )
+        svc.start()
+        yield svc
     finally:
-        http.close()
-        proc.send_signal(signal.SIGINT)  # a clean shutdown also stops the local Ray head
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        svc.http.close()
+        svc.stop()
