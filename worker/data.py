@@ -13,10 +13,10 @@ from worker.spec import DatasetSpec
 
 log = logging.getLogger("tuneyard.worker")
 
-# `datasets` builder for each local file type tuneyard accepts.
 # Label value that PyTorch's cross-entropy (and so every HF model) leaves out of the loss.
 IGNORE_INDEX = -100
 
+# `datasets` builder for each local file type tuneyard accepts.
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -67,7 +67,12 @@ def load_raw_dataset(
                 f"dataset.source {spec.source!r}: files must all be one of "
                 f"{sorted(LOCAL_BUILDERS)}, got {sorted(p.name for p in files)}"
             )
-        local_split = split if split.startswith("train") else "train"
+        if not split.startswith("train"):
+            raise ValueError(
+                f"split {split!r}: a local dataset is the single split 'train'; take parts "
+                "of it with slices such as 'train[:90%]' and 'train[90%:]'"
+            )
+        local_split = split
         dataset = load_dataset(
             builders.pop(), data_files=[str(p) for p in files], split=local_split
         )
@@ -199,6 +204,8 @@ def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None)
     packed = tokenized.map(
         pack, batched=True, batch_size=10_000, remove_columns=tokenized.column_names
     )
+    # A block holding only prompt tokens has nothing to learn, and its mean loss is NaN.
+    packed = packed.filter(lambda row: any(t != IGNORE_INDEX for t in row["labels"][1:]))
     if len(packed) == 0:
         raise ValueError(f"the dataset holds fewer than seq_length ({seq_length}) tokens to pack")
     return packed

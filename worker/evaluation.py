@@ -1,8 +1,7 @@
 """Evaluation on the eval split: loss and perplexity, or accuracy and F1 for classification.
 
 Every rank evaluates its shard; sums are all-reduced, so the numbers are over the whole
-split. Under AutoTP the ranks of a tensor-parallel group see the same batches, so each
-sum is divided by the tensor-parallel size.
+split.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from typing import Any
 from worker.data import IGNORE_INDEX
 
 
-def evaluate(
-    engine: Any, loader: Any, *, task: str, num_labels: int, tp_size: int
-) -> dict[str, float]:
+def evaluate(engine: Any, loader: Any, *, task: str, num_labels: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -43,12 +40,14 @@ def evaluate(
             else:
                 # HF shifts labels by one inside the model; weigh each batch by its targets.
                 targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
-                totals[0] += float(out.loss) * targets
-                totals[1] += targets
+                if targets:  # a batch without targets has a NaN mean loss: skip it
+                    totals[0] += float(out.loss) * targets
+                    totals[1] += targets
     engine.train()
     if dist.is_initialized():
+        # Under AutoTP each batch is counted once per TP rank; every metric below is a
+        # ratio of these sums, so the repetition cancels out.
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    totals /= tp_size
     loss = float(totals[0]) / max(float(totals[1]), 1.0)
     if task != "sequence_classification":
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}

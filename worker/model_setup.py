@@ -53,13 +53,20 @@ class Data:
     labels: list[Any] | None  # classification: label values in id order
 
 
-def prepare_examples(spec: RunSpec, tokenizer: Any, *, split: str | None) -> tuple[Any, Any]:
-    """Tokenized examples for one split, and the label values (classification only)."""
+def prepare_examples(
+    spec: RunSpec, tokenizer: Any, *, split: str | None, labels: list[Any] | None = None
+) -> tuple[Any, Any]:
+    """Tokenized examples for one split, and the label values (classification only).
+
+    `labels` fixes the label ids (the train split's), so an eval split with fewer distinct
+    labels still maps each label to the id the model learned for it.
+    """
     ds, tr = spec.dataset, spec.training
     raw = load_raw_dataset(ds, task=spec.task, split=split)
     if spec.task == "sequence_classification":
         field = ds.label_field or "label"
-        labels = label_ids(raw, field)
+        if labels is None:
+            labels = label_ids(raw, field)
         examples = tokenize_classification(
             raw,
             tokenizer,
@@ -98,13 +105,11 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
         train, labels = prepare_examples(spec, tokenizer, split=None)
         evaluation = None
         if spec.dataset.eval_split:
-            evaluation, eval_labels = prepare_examples(
-                spec, tokenizer, split=spec.dataset.eval_split
+            # The train split's label ids; a label only the eval split has is refused by
+            # tokenize_classification, naming it.
+            evaluation, _ = prepare_examples(
+                spec, tokenizer, split=spec.dataset.eval_split, labels=labels
             )
-            if labels is not None and eval_labels is not None:
-                unseen = set(eval_labels) - set(labels)
-                if unseen:
-                    raise ValueError(f"eval split has labels the train split lacks: {unseen}")
         return train, evaluation, labels
 
     if rank == 0:

@@ -63,11 +63,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
     def run_eval(at: int) -> None:
         if data.eval is not None:
             metrics = evaluate(
-                engine,
-                data.eval,
-                task=spec.task,
-                num_labels=len(data.labels or []) or 1,
-                tp_size=spec.deepspeed.tensor_parallel_size,
+                engine, data.eval, task=spec.task, num_labels=len(data.labels or []) or 1
             )
             sinks.log_eval(metrics, step=at)
 

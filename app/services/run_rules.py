@@ -89,6 +89,15 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
             "training.warmup_steps",
             f"warmup_steps ({tr.warmup_steps}) exceeds max_steps ({tr.max_steps})",
         )
+    local = is_local_source(data.source) or data.source.startswith(FILE_ID_PREFIX)
+    for name in ("split", "eval_split"):
+        value = getattr(data, name)
+        if local and value is not None and not value.startswith("train"):
+            add(
+                f"dataset.{name}",
+                f"{name} {value!r}: a local or uploaded dataset is the single split 'train'; "
+                "take parts of it with slices such as 'train[:90%]' and 'train[90%:]'",
+            )
     if req.task == "sequence_classification":
         if data.label_field is None:
             add("dataset.label_field", "task sequence_classification needs dataset.label_field")

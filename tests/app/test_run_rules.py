@@ -83,6 +83,24 @@ class TestCrossFieldRules:
         body = run_request(tmp_path, training={"max_steps": None, "epochs": None})
         assert "epochs or training.max_steps" in _refused(client, auth, body)["training"]
 
+    def test_a_local_dataset_has_only_the_train_split(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path, dataset={"source": str(tmp_path / "data.jsonl"), "eval_split": "validation"}
+        )
+        message = _refused(client, auth, body)["dataset.eval_split"]
+        assert "single split 'train'" in message and "train[90%:]" in message
+        sliced = run_request(
+            tmp_path,
+            dataset={
+                "source": str(tmp_path / "data.jsonl"),
+                "split": "train[:90%]",
+                "eval_split": "train[90%:]",
+            },
+        )
+        assert client.post("/v1/runs", json=sliced, headers=auth).status_code == 201
+
     def test_classification_fields_belong_to_classification(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
     ) -> None:

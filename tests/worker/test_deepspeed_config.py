@@ -97,8 +97,15 @@ class TestBatchSize:
         )
         config = resolve_deepspeed_config(spec)
 
-        assert config["train_batch_size"] == expected
         assert global_batch_size(spec) == expected
+        if tp == 1:
+            assert config["train_batch_size"] == expected
+            assert "tensor_parallel" not in config
+        else:
+            # DeepSpeed checks train_batch_size against the whole world before it knows
+            # the TP size, so under AutoTP it is left for DeepSpeed to derive.
+            assert "train_batch_size" not in config
+            assert config["tensor_parallel"] == {"autotp_size": tp}
         assert config["train_micro_batch_size_per_gpu"] == micro
         assert config["gradient_accumulation_steps"] == accum
 

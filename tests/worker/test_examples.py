@@ -180,6 +180,18 @@ class TestTokenizePromptCompletion:
 
         assert tokenized["labels"] == [[IGNORE_INDEX] * len(p) + [first]]
 
+    def test_a_target_at_position_zero_is_not_enough(self, tokenizer: Any) -> None:
+        """Nothing predicts the first token; an example needs a target after it."""
+        c = plain_ids(tokenizer, COMPLETIONS[0])
+        dataset = qa_dataset(["", PROMPTS[1]], COMPLETIONS[:2])
+        assert plain_ids(tokenizer, "") == []
+
+        kept = tokenize_qa(dataset, tokenizer, seq_length=2)
+
+        assert kept["labels"][0] == c[:2]
+        with pytest.raises(ValueError, match="'answer'"):
+            tokenize_qa(dataset, tokenizer, seq_length=1)
+
     def test_nothing_left_to_learn_names_the_completion_field(self, tokenizer: Any) -> None:
         seq_length = min(len(plain_ids(tokenizer, p)) for p in PROMPTS)
 
@@ -305,9 +317,11 @@ class TestPackSequences:
 
         packed = pack_sequences(rows, seq_length=3, eos_token_id=0)
 
-        # The truncated middle example gets an eos, which is learned like any eos.
-        assert packed["input_ids"] == [[5, 6, 7], [0, 8, 9], [10, 0, 11]]
-        assert packed["labels"] == [[-100, 6, 7], [0, -100, -100], [10, 0, -100]]
+        # The truncated middle example gets an eos, learned like any eos. The block
+        # [0, 8, 9] has no target after its first position (HF shifts labels by one), so it
+        # is dropped rather than trained on with a NaN loss.
+        assert packed["input_ids"] == [[5, 6, 7], [10, 0, 11]]
+        assert packed["labels"] == [[-100, 6, 7], [10, 0, -100]]
 
     def test_packed_prompt_completion_masks_exactly_the_prompts(self, tokenizer: Any) -> None:
         tokenized = tokenize_qa(qa_dataset(PROMPTS * 2, COMPLETIONS * 2), tokenizer)
@@ -339,10 +353,6 @@ class TestPackSequences:
         with pytest.raises(ValueError, match=r"fewer than seq_length \(8\)"):
             pack_sequences(rows, seq_length=8, eos_token_id=0)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="bug: pack_sequences keeps a block with no target; its loss is NaN",
-    )
     def test_every_block_has_a_target(self) -> None:
         """A block holding only prompt tokens after position 0 gives the model nothing to
         predict: HF's mean loss over no targets is NaN, in training and in evaluation."""
