@@ -204,10 +204,20 @@ def get_events(
     responses={**_errors, 409: {"description": "The run already finished"}},
 )
 def cancel_run(
-    run_id: str, request: Request, session: SessionDep, principal: CurrentPrincipal
+    run_id: str,
+    request: Request,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    background: BackgroundTasks,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    return RunView.of(run_control.cancel_run(session, run, jobs=request.app.state.jobs))
+    stop = run_control.cancel_run(session, run)
+    jobs = request.app.state.jobs
+    if stop is not None and jobs is not None:
+        # After the commit: Ray is asked only once `cancelling` is stored (and the
+        # reconciler asks again if this attempt cannot reach Ray).
+        background.add_task(run_control.stop_job, jobs, stop)
+    return RunView.of(run)
 
 
 @router.post(
@@ -227,7 +237,7 @@ def resume_run(
     run = run_control.resume_run(session, run)
     if request.app.state.dispatcher is not None:
         background.add_task(request.app.state.dispatcher.wake)
-    return RunView.of(run)
+    return RunView.of(run, queue_position=runs.queue_position(session, run))
 
 
 @router.get(

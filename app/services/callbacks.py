@@ -44,6 +44,9 @@ def apply_status(session: Session, run: Run, post: StatusPost) -> None:
     ):
         # Ray failed under the run (the head or a node went away): a new attempt resumes
         # from the latest checkpoint, within the run's fault_tolerance.max_failures.
+        if run.run_status == RunStatus.STARTING:
+            # starting → queued means "Ray accepted nothing"; this attempt did run.
+            set_status(session, run, RunStatus.RUNNING, message="the worker had started")
         set_status(
             session,
             run,

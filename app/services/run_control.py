@@ -15,25 +15,28 @@ from app.status import RunStatus
 log = logging.getLogger("tuneyard")
 
 
-def cancel_run(session: Session, run: Run, *, jobs: RayJobs | None) -> Run:
+def cancel_run(session: Session, run: Run) -> str | None:
     """Queued → cancelled at once; live → cancelling, then cancelled once Ray confirms the
-    stop (the reconciler watches). Repeating a cancel is harmless."""
+    stop (the reconciler watches). Repeating a cancel is harmless. Returns the Ray job the
+    caller should stop once this is committed, if any."""
     status = run.run_status
     if status in (RunStatus.CANCELLING, RunStatus.CANCELLED):
-        return run
+        return None
     if status.is_terminal():
         raise Conflict(f"run {run.id} is {status}; only a queued or live run can be cancelled")
     if status == RunStatus.QUEUED:
         set_status(session, run, RunStatus.CANCELLED, message="cancelled before it started")
-        return run
+        return None
     set_status(session, run, RunStatus.CANCELLING, message="cancel requested")
-    if jobs is not None and run.ray_submission_id:
-        try:
-            jobs.stop(run.ray_submission_id)
-        except RayUnavailable as exc:
-            # The reconciler asks Ray again on its next pass.
-            log.warning("run %s: could not reach Ray to stop the job yet: %s", run.id, exc)
-    return run
+    return run.ray_submission_id
+
+
+def stop_job(jobs: RayJobs, submission_id: str) -> None:
+    try:
+        jobs.stop(submission_id)
+    except RayUnavailable as exc:
+        # The reconciler asks Ray again on its next pass.
+        log.warning("could not reach Ray to stop job %s yet: %s", submission_id, exc)
 
 
 def resume_run(session: Session, run: Run) -> Run:

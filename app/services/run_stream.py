@@ -50,6 +50,10 @@ def _read(
     factory: sessionmaker[Session], run_id: str, cursor: StreamCursor
 ) -> tuple[list[Event], list[Metric], bool]:
     with factory() as session:
+        # Status first: on PostgreSQL each query sees the latest commit, so reading it last
+        # could see a run that finished after the events query, and end without its event.
+        run = session.get(Run, run_id)
+        terminal = run is None or RunStatus(run.status).is_terminal()
         events = list(
             session.scalars(
                 select(Event)
@@ -66,8 +70,6 @@ def _read(
                 .limit(BATCH)
             )
         )
-        run = session.get(Run, run_id)
-        terminal = run is None or RunStatus(run.status).is_terminal()
         return events, metrics, terminal
 
 
