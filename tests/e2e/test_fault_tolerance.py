@@ -16,7 +16,7 @@ from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 200
+STEPS = 100
 EVERY = 20
 
 
