@@ -106,6 +106,22 @@ def tokenize_dataset(dataset: Any, tokenizer: Any, *, text_field: str, seq_lengt
     return tokenized
 
 
+def _pad_right(sequences: list[list[int]], value: int, longest: int) -> torch.Tensor:
+    out = torch.full((len(sequences), longest), value, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+def _pad_inputs(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Input ids padded to the longest row in the batch, not to seq_length, and their mask."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    return {
+        "input_ids": _pad_right([r["input_ids"] for r in rows], pad_token_id, longest),
+        "attention_mask": _pad_right([[1] * len(r["input_ids"]) for r in rows], 0, longest),
+    }
+
+
 @dataclass(slots=True)
 class CausalLMCollator:
     """Pads to the longest sequence in the batch, not to seq_length; padding carries no loss."""
@@ -113,19 +129,13 @@ class CausalLMCollator:
     pad_token_id: int
 
     def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        batch = _pad_inputs(rows, self.pad_token_id)
         # Padding carries no loss: masked by position, not by token id, because pad may
-        # equal eos and eos is a real target.
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids = torch.tensor(row["input_ids"], dtype=torch.long)
-            input_ids[i, : len(ids)] = ids
-            attention_mask[i, : len(ids)] = 1
-            # Rows with their own labels (prompt_completion) already mask the prompt.
-            labels[i, : len(ids)] = torch.tensor(row["labels"]) if "labels" in row else ids
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        # equal eos and eos is a real target. Rows with their own labels
+        # (prompt_completion) already mask the prompt.
+        targets = [r.get("labels", r["input_ids"]) for r in rows]
+        batch["labels"] = _pad_right(targets, IGNORE_INDEX, batch["input_ids"].shape[1])
+        return batch
 
 
 @dataclass(slots=True)
@@ -135,15 +145,9 @@ class ClassificationCollator:
     pad_token_id: int
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids = torch.tensor(row["input_ids"], dtype=torch.long)
-            input_ids[i, : len(ids)] = ids
-            attention_mask[i, : len(ids)] = 1
-        labels = torch.tensor([r["label"] for r in rows], dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = _pad_inputs(rows, self.pad_token_id)
+        batch["labels"] = torch.tensor([r["label"] for r in rows], dtype=torch.long)
+        return batch
 
 
 def tokenize_prompt_completion(
