@@ -26,6 +26,8 @@ MODES: dict[str, dict[str, Any]] = {
     "zero2-offload-optimizer": {"zero_stage": 2, "offload_optimizer": "cpu"},
     "zero3-offload-all": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
     "zero3-bf16": {"zero_stage": 3, "precision": "bf16"},
+    "autotp-zero1": {"zero_stage": 1, "tensor_parallel_size": 2},
+    "autotp-zero3": {"zero_stage": 3, "tensor_parallel_size": 2},
 }
 
 

@@ -93,8 +93,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_service(home: Path, data_dir: Path, allowed_roots: list[Path]) -> Service:
-    """A service on its embedded defaults under `home`, with an API key; not yet started."""
+def make_service(
+    home: Path, data_dir: Path, allowed_roots: list[Path], *, database_url: str | None = None
+) -> Service:
+    """A service on its embedded defaults under `home` (or on `database_url`), with an API
+    key; not yet started."""
     port = _free_port()
     env = {
         **os.environ,
@@ -106,6 +109,8 @@ def make_service(home: Path, data_dir: Path, allowed_roots: list[Path]) -> Servi
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("TUNEYARD_DATABASE_URL", None)
+    if database_url:
+        env["TUNEYARD_DATABASE_URL"] = database_url
     key = subprocess.run(
         [sys.executable, "-m", "app", "keys", "create", "--name", "e2e"],
         env=env,
