@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from app.settings import DEMO_DIRNAME, Settings
 
-console = Console()
+console = Console(soft_wrap=True)  # paths stay on one line, copyable
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
@@ -171,8 +171,14 @@ def _show_result(http: httpx.Client, run: dict[str, Any]) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model: Any = AutoModelForCausalLM.from_pretrained(model_path)
         prompt = tokenizer("The Lions", return_tensors="pt")
+        # A tiny model trained for seconds loops on its likeliest token; the penalty keeps
+        # the sample readable.
         out = model.generate(
-            **prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            **prompt,
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.5,
+            pad_token_id=tokenizer.pad_token_id,
         )
         console.print(f"Exported model: [bold]{model_path}[/]")
         console.print(f"Sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
