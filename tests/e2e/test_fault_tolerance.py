@@ -49,22 +49,24 @@ def test_a_killed_worker_resumes_from_the_latest_checkpoint(
     run_id = service.submit(body)["id"]
 
     deadline = time.monotonic() + 300
-    while not checkpoints(service, run_id, "deepspeed"):
+    while not (saved := checkpoints(service, run_id, "deepspeed")):
         assert time.monotonic() < deadline, "no checkpoint was recorded"
         time.sleep(0.2)
     workers = _train_workers()
     assert workers, "no Ray Train worker process found"
     workers[0].send_signal(signal.SIGKILL)
-    killed_at = service.http.get(f"/v1/runs/{run_id}").json()["progress"]["step"]
-    assert killed_at < STEPS, "the run ended before the kill; make it longer"
+    # (The reported progress lags training by up to a flush interval, so the checkpoint
+    # that was already recorded is the lower bound of where training had got to.)
+    saved_before_kill = max(c["step"] for c in saved)
 
     run = service.wait_terminal(run_id)
     assert_succeeded(service, run)
     events = service.http.get(f"/v1/runs/{run_id}/events").json()["data"]
     resumed = [e for e in events if e["type"] == "resumed"]
+    # Exactly one restart: the kill landed mid-run, and the group came back once.
     assert len(resumed) == 1, events
     step = int(re.search(r"step (\d+)", resumed[0]["message"]).group(1))  # type: ignore[union-attr]
-    assert 0 < step <= killed_at and step % EVERY == 0
+    assert saved_before_kill <= step < STEPS and step % EVERY == 0
 
     # Steps continue from the checkpoint: every step logged once, none beyond the end.
     assert sorted(metric_series(service, run_id, "loss")) == list(range(1, STEPS + 1))
