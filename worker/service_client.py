@@ -138,8 +138,10 @@ class MetricsSender:
             self._wake.clear()
             self._send_pending(attempts=1)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread and deliver what is left, trying for up to `timeout_s`."""
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the thread and deliver what is left, trying for up to `timeout_s`: long
+        enough to outlast a service restart, bounded so a service that is gone for good
+        delays the end of training by two minutes at most (Ray's status settles the run)."""
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=5)
