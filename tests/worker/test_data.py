@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.worker.conftest import in_memory_dataset, write_jsonl
 from worker.data import CausalLMCollator, load_raw_dataset, tokenize_dataset
 from worker.spec import DatasetSpec
 
@@ -20,34 +20,6 @@ LINES = [
     "Globex will open a new office in Lima next year.",
     "Markets in Perth fell 2 percent as Hooli cut its forecast.",
 ]
-
-
-@pytest.fixture(autouse=True)
-def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's `datasets` cache in its own folder, not the user's home."""
-    import datasets
-
-    cache = tmp_path / "hf-datasets-cache"
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    return cache
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def in_memory_dataset(columns: dict[str, list[Any]]) -> Any:
-    from datasets import Dataset
-
-    return Dataset.from_dict(columns)
 
 
 def text_rows(lines: list[str]) -> list[dict[str, Any]]:
