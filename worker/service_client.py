@@ -138,6 +138,15 @@ class MetricsSender:
             self._wake.clear()
             self._send_pending(attempts=1)
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Deliver everything logged so far, now; False if the service did not take it all."""
+        deadline = time.monotonic() + timeout_s
+        while not self._send_pending(attempts=1):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the thread and deliver what is left, trying for up to `timeout_s`: long
         enough to outlast a service restart, bounded so a service that is gone for good

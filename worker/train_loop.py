@@ -96,11 +96,13 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
             run_eval(step)
         every = spec.checkpointing.every_n_steps
         if every and step % every == 0 and step < plan.total_steps:
+            sinks.flush()
             save_and_report_checkpoint(
                 engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
             )
 
     run_eval(step)
+    sinks.flush()
     save_and_report_checkpoint(
         engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
     )
@@ -233,6 +235,12 @@ class _MetricSinks:
         self.latest = {**self.latest, **metrics}
         if self.sender is not None:
             self.sender.log(metrics, step=step, progress=self._progress or {"step": step})
+
+    def flush(self) -> None:
+        """Before a checkpoint: every step up to it is delivered, so a restart from that
+        checkpoint (which re-trains and re-logs what came after) loses no step's metrics."""
+        if self.sender is not None:
+            self.sender.flush()
 
     def close(self) -> None:
         if self.sender is not None:
