@@ -1,23 +1,124 @@
-"""The `tuneyard` command line."""
+"""The `tuneyard` command line: run the service, and drive it over HTTP from a shell.
+
+Exit codes are part of the interface (scripts rely on them); see `ExitCode`.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+import yaml
+from rich.console import Console
 
+from app.client import TERMINAL, ApiError, TuneyardClient, Unreachable
 from app.settings import Settings
 
-app = typer.Typer(help="tuneyard: fine-tune language models on Ray Train + DeepSpeed over HTTP.")
-keys_app = typer.Typer(help="Manage API keys.")
+
+class ExitCode(IntEnum):
+    OK = 0
+    RUN_FAILED = 1  # `watch` (and `submit --watch`): the run ended `failed`
+    USAGE = 2  # a bad command line or an unreadable spec file
+    REFUSED = 3  # the service refused the request: invalid (422) or conflicting (409)
+    NOT_FOUND = 4
+    RUN_CANCELLED = 5  # `watch`: the run ended `cancelled`
+    UNREACHABLE = 6  # no answer from the service
+    UNAUTHORIZED = 7  # missing or wrong API key
+
+
+app = typer.Typer(
+    help="tuneyard: fine-tune language models on Ray Train + DeepSpeed over HTTP.",
+    no_args_is_help=True,
+)
+keys_app = typer.Typer(help="Manage API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
+out = Console(soft_wrap=True)  # paths stay on one line, copyable
+err = Console(stderr=True, soft_wrap=True)
 
-def _configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+
+@app.callback()
+def _connection(
+    ctx: typer.Context,
+    url: Annotated[
+        str, typer.Option(envvar="TUNEYARD_URL", help="The service's base URL.")
+    ] = "http://127.0.0.1:8000",
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TUNEYARD_API_KEY", help="API key (from `tuneyard keys create`)."),
+    ] = None,
+) -> None:
+    ctx.obj = {"url": url, "api_key": api_key}
+
+
+@contextmanager
+def _client(ctx: typer.Context) -> Iterator[TuneyardClient]:
+    """The connection from the global options; service errors become exit codes."""
+    try:
+        with TuneyardClient(ctx.obj["url"], ctx.obj["api_key"]) as client:
+            yield client
+    except Unreachable as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(ExitCode.UNREACHABLE) from None
+    except ApiError as exc:
+        raise typer.Exit(_report(exc)) from None
+
+
+def _report(exc: ApiError) -> ExitCode:
+    if exc.status_code == 422 and isinstance(exc.detail, list):
+        from app.cli_render import problems_table
+
+        err.print(problems_table(exc.detail))
+    else:
+        err.print(f"[red]error ({exc.status_code} {exc.error}):[/] {exc.detail}")
+    if exc.status_code == 401:
+        err.print("Set TUNEYARD_API_KEY or pass --api-key (see `tuneyard keys create`).")
+        return ExitCode.UNAUTHORIZED
+    if exc.status_code == 404:
+        return ExitCode.NOT_FOUND
+    if exc.status_code in (409, 413, 422):
+        return ExitCode.REFUSED
+    return ExitCode.RUN_FAILED
+
+
+def _read_spec(path: str) -> dict[str, Any]:
+    """A run request from a YAML or JSON file (JSON is YAML), or `-` for standard input."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        spec = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as exc:
+        err.print(f"[red]error:[/] cannot read the spec {path}: {exc}")
+        raise typer.Exit(ExitCode.USAGE) from None
+    if not isinstance(spec, dict):
+        err.print(f"[red]error:[/] the spec {path} must be a mapping (a run request object)")
+        raise typer.Exit(ExitCode.USAGE)
+    return spec
+
+
+def _print_json(value: Any) -> None:
+    out.print_json(json.dumps(value))
+
+
+def _ended(run: dict[str, Any]) -> ExitCode:
+    from app.cli_render import print_run
+
+    print_run(out, run)
+    return {
+        "succeeded": ExitCode.OK,
+        "cancelled": ExitCode.RUN_CANCELLED,
+    }.get(run["status"], ExitCode.RUN_FAILED)
+
+
+SpecArg = Annotated[str, typer.Argument(help="Run request as a YAML or JSON file; - for stdin.")]
+RunIdArg = Annotated[str, typer.Argument(help="The run's id.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the API's JSON instead.")]
 
 
 @app.command()
@@ -28,19 +129,191 @@ def serve(
     """Run the service; with no TUNEYARD_RAY_ADDRESS it starts and stops a local Ray head."""
     import uvicorn
 
+    from app.logs import configure_logging
     from app.main import create_app
 
-    _configure_logging()
     overrides: dict[str, Any] = {
         k: v for k, v in {"host": host, "port": port}.items() if v is not None
     }
     settings = Settings(**overrides)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    configure_logging(fmt=settings.log_format, level=settings.log_level)
+    # log_config=None: uvicorn's own loggers go through the handler configured above.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level.lower(),
+    )
+
+
+@app.command()
+def submit(
+    ctx: typer.Context,
+    spec: SpecArg,
+    watch: Annotated[bool, typer.Option("--watch", help="Then watch it to the end.")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe: the same key and spec give the same run.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a run; prints its id (exit 3 and every broken rule if it is refused)."""
+    body = _read_spec(spec)
+    with _client(ctx) as client:
+        run = client.create_run(body, idempotency_key=idempotency_key)
+        if as_json:
+            _print_json(run)
+        else:
+            out.print(run["id"])
+        if watch:
+            from app.cli_render import watch_run
+
+            raise typer.Exit(_ended(watch_run(client, run["id"], err)))
+
+
+@app.command()
+def validate(ctx: typer.Context, spec: SpecArg, as_json: JsonOpt = False) -> None:
+    """Check a spec without creating a run: every broken rule, the resolved DeepSpeed config
+    and the cost estimate. Exit 0 when valid, 3 when not."""
+    body = _read_spec(spec)
+    with _client(ctx) as client:
+        report = client.validate(body)
+    if as_json:
+        _print_json(report)
+    elif report["valid"]:
+        resolved, estimate = report["resolved"], report["estimate"]
+        out.print("[green]valid[/]")
+        _print_json({"resolved": resolved, "estimate": estimate})
+    else:
+        from app.cli_render import problems_table
+
+        err.print(problems_table(report["errors"]))
+    raise typer.Exit(ExitCode.OK if report["valid"] else ExitCode.REFUSED)
+
+
+@app.command("list")
+def list_runs(
+    ctx: typer.Context,
+    status: Annotated[str | None, typer.Option(help="Only runs in this status.")] = None,
+    metadata: Annotated[
+        list[str] | None, typer.Option("--metadata", "-m", help="KEY=VALUE; repeatable.")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many runs.")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first."""
+    pairs: dict[str, str] = {}
+    for item in metadata or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            err.print(f"[red]error:[/] --metadata wants KEY=VALUE, got {item!r}")
+            raise typer.Exit(ExitCode.USAGE)
+        pairs[key] = value
+    with _client(ctx) as client:
+        runs = client.list_runs(status=status, metadata=pairs, limit=limit)
+    if as_json:
+        _print_json(runs)
+    else:
+        from app.cli_render import runs_table
+
+        out.print(runs_table(runs))
+
+
+@app.command()
+def status(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) -> None:
+    """One run: status, progress, latest metrics, error and outputs."""
+    with _client(ctx) as client:
+        run = client.get_run(run_id)
+    if as_json:
+        _print_json(run)
+    else:
+        from app.cli_render import print_run
+
+        print_run(out, run)
+
+
+@app.command()
+def watch(
+    ctx: typer.Context,
+    run_id: RunIdArg,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Follow a run to its end with a live progress bar. Exit 0 when it succeeds, 1 when it
+    fails, 5 when it is cancelled."""
+    from app.cli_render import watch_run
+
+    with _client(ctx) as client:
+        run = watch_run(client, run_id, err, interval_s=interval)
+    raise typer.Exit(_ended(run))
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    run_id: RunIdArg,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")
+    ] = False,
+    tail: Annotated[int | None, typer.Option(min=1, help="Only the last N lines.")] = None,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 2.0,
+) -> None:
+    """The run's Ray job log (tokens redacted)."""
+    with _client(ctx) as client:
+        if not follow:
+            sys.stdout.write(client.logs(run_id, tail=tail))
+            return
+        printed: int | None = None
+        while True:
+            ended = client.get_run(run_id)["status"] in TERMINAL
+            try:
+                lines = client.logs(run_id).splitlines()
+            except ApiError as exc:
+                if exc.status_code != 503:
+                    raise
+                lines = []  # Ray is briefly unreachable: try again on the next poll
+            if printed is None:
+                printed = max(len(lines) - tail, 0) if tail else 0
+            for line in lines[printed:]:
+                sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            printed = max(printed, len(lines))
+            if ended:
+                return
+            time.sleep(interval)
+
+
+@app.command()
+def cancel(ctx: typer.Context, run_id: RunIdArg) -> None:
+    """Cancel a run (exit 3 if it already finished)."""
+    with _client(ctx) as client:
+        run = client.cancel(run_id)
+    out.print(f"{run['id']} {run['status']}")
+
+
+@app.command()
+def resume(ctx: typer.Context, run_id: RunIdArg) -> None:
+    """Resume a failed or cancelled run from its latest checkpoint (exit 3 otherwise)."""
+    with _client(ctx) as client:
+        run = client.resume(run_id)
+    out.print(f"{run['id']} {run['status']} (attempt {run['attempt']})")
+
+
+@app.command()
+def checkpoints(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) -> None:
+    """A run's checkpoints: DeepSpeed ones and the exported Hugging Face model."""
+    with _client(ctx) as client:
+        data = client.checkpoints(run_id)
+    if as_json:
+        _print_json(data)
+    else:
+        from app.cli_render import checkpoints_table
+
+        out.print(checkpoints_table(data))
 
 
 @keys_app.command("create")
 def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for.")) -> None:
-    """Create an API key and print it (it is shown only once)."""
+    """Create an API key in the service's database and print it (it is shown only once)."""
     from app.db import make_engine, make_session_factory, transaction
     from app.migrate import upgrade_database
     from app.services.api_keys import create_api_key
@@ -58,11 +331,18 @@ def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for
 def demo(
     steps: int = typer.Option(30, help="Training steps of the demo run."),
     port: int = typer.Option(None, help="Port for the demo service (default: a free one)."),
+    hub: bool = typer.Option(
+        False,
+        "--hub",
+        help="Use hub ids (gpt2 on ag_news) instead of the tiny local model; needs a "
+        "reachable model and dataset hub.",
+    ),
 ) -> None:
-    """Offline demo: start the service, fine-tune a tiny local GPT-2 over HTTP, show the result."""
+    """Start the service, fine-tune over HTTP, watch it, and show the exported model.
+    Offline by default: a tiny GPT-2, tokenizer and dataset are built locally."""
     from app.demo import run_demo
 
-    raise typer.Exit(run_demo(steps=steps, port=port))
+    raise typer.Exit(run_demo(steps=steps, port=port, hub=hub))
 
 
 def main() -> None:

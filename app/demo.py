@@ -13,18 +13,22 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from app.cli_render import watch_run
+from app.client import ApiError, TuneyardClient
 from app.settings import DEMO_DIRNAME, Settings
 
 console = Console(soft_wrap=True)  # paths stay on one line, copyable
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
-def run_demo(*, steps: int, port: int | None) -> int:
+def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
     settings = Settings()
-    demo_dir = settings.home_dir / DEMO_DIRNAME
-    model_dir, data_file = _build_assets(demo_dir)
+    if hub:
+        # Hub ids, as in Ray's and DeepSpeed's tutorials: the workers download them.
+        model, dataset = "gpt2", {"source": "ag_news", "text_field": "text"}
+    else:
+        model_dir, data_file = _build_assets(settings.home_dir / DEMO_DIRNAME)
+        model, dataset = str(model_dir), {"source": str(data_file), "text_field": "text"}
     api_key = _create_key(settings)
     port = port or _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -40,11 +44,9 @@ def run_demo(*, steps: int, port: int | None) -> int:
             stderr=subprocess.STDOUT,
         )
     try:
-        with httpx.Client(
-            base_url=base, headers={"Authorization": f"Bearer {api_key}"}, timeout=30
-        ) as http:
-            _wait_ready(http, server, log_path)
-            return _submit_and_watch(http, model_dir=model_dir, data_file=data_file, steps=steps)
+        with TuneyardClient(base, api_key) as client:
+            _wait_ready(client, server, log_path)
+            return _submit_and_watch(client, model=model, dataset=dataset, steps=steps)
     finally:
         console.print("Stopping the service (and its local Ray head)…")
         server.send_signal(signal.SIGINT)
@@ -80,14 +82,14 @@ def _create_key(settings: Settings) -> str:
     return secret
 
 
-def _wait_ready(http: httpx.Client, server: subprocess.Popen[bytes], log_path: Path) -> None:
+def _wait_ready(client: TuneyardClient, server: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + 300
     with console.status("Waiting for the service and its Ray head…"):
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise SystemExit(f"the service exited; see {log_path}")
             try:
-                health = http.get("/healthz").json()
+                health = client.http.get("/healthz").json()
                 if health["ray"]["reachable"]:
                     console.print(f"Ray dashboard: {health['ray']['dashboard_url']}")
                     return
@@ -97,10 +99,12 @@ def _wait_ready(http: httpx.Client, server: subprocess.Popen[bytes], log_path: P
     raise SystemExit(f"the service did not become ready; see {log_path}")
 
 
-def _submit_and_watch(http: httpx.Client, *, model_dir: Path, data_file: Path, steps: int) -> int:
+def _submit_and_watch(
+    client: TuneyardClient, *, model: str, dataset: dict[str, Any], steps: int
+) -> int:
     request = {
-        "model": str(model_dir),
-        "dataset": {"source": str(data_file), "text_field": "text"},
+        "model": model,
+        "dataset": dataset,
         "training": {
             "max_steps": steps,
             "learning_rate": 3e-3,
@@ -114,55 +118,32 @@ def _submit_and_watch(http: httpx.Client, *, model_dir: Path, data_file: Path, s
         "checkpointing": {"export_hf": True},
         "metadata": {"source": "tuneyard demo"},
     }
-    response = http.post("/v1/runs", json=request)
-    response.raise_for_status()
-    run = response.json()
-    console.print(f"Submitted run [bold]{run['id']}[/] (ZeRO-2, 2 workers, {steps} steps)")
-    run = _watch(http, run["id"])
+    try:
+        run = client.create_run(request)
+    except ApiError as exc:
+        console.print(f"[red]The service refused the demo run:[/] {exc.detail}")
+        return 1
+    console.print(f"Submitted run [bold]{run['id']}[/] ({model}, ZeRO-2, 2 workers, {steps} steps)")
+    run = watch_run(client, run["id"], console)
     if run["status"] != "succeeded":
         console.print(f"[red]Run {run['status']}[/]: {run['error']}")
         return 1
-    _show_result(http, run)
+    _show_result(client, run)
     return 0
 
 
-def _watch(http: httpx.Client, run_id: str) -> dict[str, Any]:
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("queued", total=None, info="")
-        while True:
-            run: dict[str, Any] = http.get(f"/v1/runs/{run_id}").json()
-            p, m = run["progress"], run["latest_metrics"]
-            info = f"step {p['step']}/{p['total_steps'] or '?'}"
-            if "loss" in m:
-                info += f"  loss {m['loss']:.3f}  {m.get('tokens_per_second', 0):.0f} tok/s"
-            progress.update(
-                task,
-                description=run["status"],
-                total=p["total_steps"],
-                completed=p["step"],
-                info=info,
-            )
-            if run["status"] in TERMINAL:
-                return run
-            time.sleep(1)
-
-
-def _show_result(http: httpx.Client, run: dict[str, Any]) -> None:
+def _show_result(client: TuneyardClient, run: dict[str, Any]) -> None:
     losses = [
         m["value"]
-        for m in http.get(f"/v1/runs/{run['id']}/metrics", params={"name": "loss"}).json()["data"]
+        for m in client.http.get(f"/v1/runs/{run['id']}/metrics", params={"name": "loss"}).json()[
+            "data"
+        ]
     ]
     console.print(
         f"[green]Succeeded.[/] loss {losses[0]:.3f} → {losses[-1]:.3f} "
         f"over {len(losses)} logged steps"
     )
-    for ckpt in http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]:
+    for ckpt in client.checkpoints(run["id"]):
         console.print(f"  {ckpt['kind']:9} step {ckpt['step']:>4}  {ckpt['path']}")
     model_path = run["output"]["model_path"]
     if model_path:

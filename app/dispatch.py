@@ -23,6 +23,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import transaction
+from app.logs import run_log
+from app.metrics import ServiceMetrics
 from app.models import Run, utcnow
 from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.schemas.run_view import as_utc
@@ -73,8 +75,10 @@ class Dispatcher:
         session_factory: sessionmaker[Session],
         jobs: RayJobs,
         revive_ray: Callable[[], None] | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.session_factory = session_factory
         self.jobs = jobs
         # Embedded mode: restart the local head if it died (the service owns it).
@@ -111,7 +115,10 @@ class Dispatcher:
             self._wake.clear()
 
     def tick(self) -> None:
+        started = time.perf_counter()
         self.reconcile_live_runs()
+        if self.metrics is not None:
+            self.metrics.reconcile_duration.observe(time.perf_counter() - started)
         self.dispatch_queued_runs()
 
     # -- dispatch ---------------------------------------------------------------------
@@ -125,22 +132,30 @@ class Dispatcher:
             free = self.settings.max_concurrent_runs - live
             if free <= 0:
                 return 0
+            # A queued run is not written to until it is claimed, so `updated_at` is when
+            # it entered the queue (created, resumed, or re-queued after a lost attempt).
             queued = list(
-                session.scalars(
-                    select(Run.id)
+                session.execute(
+                    select(Run.id, Run.updated_at)
                     .where(Run.status == RunStatus.QUEUED)
                     .order_by(Run.created_at, Run.id)
                     .limit(free)
-                )
+                ).tuples()
             )
         dispatched = 0
-        for run_id in queued:
+        for run_id, queued_at in queued:
             if time.monotonic() < self._ray_retry_at:
                 break  # Ray went away during this pass
-            dispatched += self._dispatch(run_id)
+            if not self._dispatch(run_id):
+                continue
+            dispatched += 1
+            if self.metrics is not None:
+                waited = utcnow() - (as_utc(queued_at) or utcnow())
+                self.metrics.dispatch_latency.observe(max(waited.total_seconds(), 0.0))
         return dispatched
 
     def _dispatch(self, run_id: str) -> bool:
+        """True when Ray accepted the run's job."""
         token = new_secret("rt")
         with transaction(self.session_factory) as session:
             run = self._claim(session, run_id, token)
@@ -148,8 +163,7 @@ class Dispatcher:
                 return False  # a peer took it, or it was cancelled meanwhile
             runtime_env = build_runtime_env(run, token=token, settings=self.settings)
             sid = run.ray_submission_id
-        self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]
-        return True
+        return self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]
 
     def _claim(self, session: Session, run_id: str, token: str) -> Run | None:
         claimed = session.execute(
@@ -172,31 +186,35 @@ class Dispatcher:
         )
         return run
 
-    def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> None:
+    def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> bool:
+        run_logger = run_log(log, run_id)
+        started = time.perf_counter()
         try:
             self.jobs.submit(submission_id=sid, entrypoint=ENTRYPOINT, runtime_env=runtime_env)
-            log.info("run %s: submitted Ray job %s", run_id, sid)
-            self._ray_backoff_s = 0.0
         except RayUnavailable as exc:
             if self.revive_ray is not None:
                 self.revive_ray()
             self._ray_backoff_s = min(max(self._ray_backoff_s * 2, 1.0), MAX_RAY_BACKOFF_S)
             self._ray_retry_at = time.monotonic() + self._ray_backoff_s
-            log.warning(
-                "run %s: Ray unavailable, back to the queue for %.0fs: %s",
-                run_id,
-                self._ray_backoff_s,
-                exc,
+            run_logger.warning(
+                "Ray unavailable, back to the queue for %.0fs: %s", self._ray_backoff_s, exc
             )
             self._settle(run_id, RunStatus.QUEUED, message=f"Ray unavailable, will retry: {exc}")
+            return False
         except RayRejected as exc:
-            log.error("run %s: Ray rejected the job: %s", run_id, exc)
+            run_logger.error("Ray rejected the job: %s", exc)
             self._settle(
                 run_id,
                 RunStatus.FAILED,
                 error_code="ray_rejected",
                 error_message=f"Ray rejected the job: {exc}",
             )
+            return False
+        if self.metrics is not None:
+            self.metrics.ray_submit_duration.observe(time.perf_counter() - started)
+        run_logger.info("submitted Ray job %s", sid)
+        self._ray_backoff_s = 0.0
+        return True
 
     def _settle(self, run_id: str, new: RunStatus, **kwargs: Any) -> None:
         with transaction(self.session_factory) as session:

@@ -9,10 +9,12 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from app.api import files, health, internal, runs
+from app.api import files, health, internal, prometheus, runs
 from app.db import make_engine, make_read_engine, make_session_factory
 from app.dispatch import Dispatcher
 from app.errors import install_error_handlers
+from app.logs import RunIdMiddleware
+from app.metrics import ServiceMetrics
 from app.migrate import upgrade_database
 from app.ray_head import ensure_local_head, forget_local_head
 from app.ray_jobs import RayJobs
@@ -55,6 +57,7 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
                 session_factory=app.state.session_factory,
                 jobs=app.state.jobs,
                 revive_ray=revive_local_head if head is not None else None,
+                metrics=app.state.metrics,
             )
             app.state.dispatcher = dispatcher
             dispatcher.start()
@@ -79,12 +82,15 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
     app.state.settings = settings
     app.state.session_factory = make_session_factory(engine)
     app.state.read_session_factory = make_session_factory(read_engine)
+    app.state.metrics = ServiceMetrics(app.state.read_session_factory)
     app.state.sqlite_write_lock = anyio.Lock()
     app.state.jobs = None
     app.state.dispatcher = None
     install_error_handlers(app)
+    app.add_middleware(RunIdMiddleware)
     app.include_router(runs.router)
     app.include_router(files.router)
     app.include_router(internal.router)
     app.include_router(health.router)
+    app.include_router(prometheus.router)
     return app

@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     # CPUs the embedded Ray head advertises; unset → Ray counts the machine's cores.
     local_ray_num_cpus: int | None = Field(default=None, ge=1)
 
+    # `json` for log shippers (one object per line); `text` for a terminal. Both carry the
+    # run id of every record that concerns a run.
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
         if self.auth == "disabled" and not _is_loopback(self.host):

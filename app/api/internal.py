@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 
 from app.api.deps import SessionDep, bearer_token
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
+from app.schemas.errors import error_responses
 from app.services import callbacks
 from app.services.run_status import record_event
 
 router = APIRouter(prefix="/v1/internal/runs", tags=["worker callbacks"])
 
-_errors: dict[int | str, dict[str, Any]] = {
-    401: {"description": "Missing, wrong or expired run token"},
-    404: {"description": "No such run"},
-    409: {"description": "The attempt is over, or the status change is not allowed"},
-}
+_errors = error_responses(
+    {
+        401: "Missing, wrong or expired run token",
+        404: "No such run",
+        409: "The attempt is over, or the status change is not allowed",
+        422: "The body breaks the callback schema; `detail` names each field and rule",
+    }
+)
 
 
 @router.post("/{run_id}/status", summary="Worker: report a status change", responses=_errors)
@@ -26,6 +28,7 @@ def post_status(run_id: str, body: StatusPost, request: Request, session: Sessio
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     callbacks.apply_status(session, run, body)
+    request.app.state.metrics.callbacks.labels("status").inc()
     return {"status": run.status}
 
 
@@ -34,7 +37,10 @@ def post_metrics(run_id: str, body: MetricsPost, request: Request, session: Sess
     run = callbacks.authorize_worker(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
-    return {"stored": callbacks.store_metrics(session, run, body)}
+    stored = callbacks.store_metrics(session, run, body)
+    request.app.state.metrics.callbacks.labels("metrics").inc()
+    request.app.state.metrics.metric_points.inc(stored)
+    return {"stored": stored}
 
 
 @router.post("/{run_id}/checkpoints", summary="Worker: record a checkpoint", responses=_errors)
@@ -45,6 +51,7 @@ def post_checkpoint(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     checkpoint = callbacks.store_checkpoint(session, run, body)
+    request.app.state.metrics.callbacks.labels("checkpoint").inc()
     return {"id": checkpoint.id}
 
 
@@ -57,4 +64,5 @@ def post_event(run_id: str, body: EventPost, request: Request, session: SessionD
     )
     event = record_event(session, run, type=body.type, message=body.message)
     session.flush()
+    request.app.state.metrics.callbacks.labels("event").inc()
     return {"id": event.id}

@@ -56,4 +56,4 @@ def set_status(
         run.error_code = error_code or "error"
         run.error_message = error_message or ""
     record_event(session, run, type="status", status=new, message=message or error_message or "")
-    log.info("run %s: %s -> %s %s", run.id, current, new, message or error_message or "")
+    log.info("%s -> %s %s", current, new, message or error_message or "", extra={"run_id": run.id})

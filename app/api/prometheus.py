@@ -1,0 +1,22 @@
+"""/metrics: Prometheus text, unauthenticated like any scrape target (counts only, no data)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter(tags=["health"])
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    description="Runs by status, dispatch latency, Ray submit time, reconcile loop duration "
+    "and worker callbacks ingested.",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+)
+def prometheus_metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

@@ -1,0 +1,148 @@
+"""How the CLI shows runs: tables, a run's summary, and the live `watch` view."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from app.client import TERMINAL, TuneyardClient
+
+STATUS_STYLE = {
+    "queued": "cyan",
+    "starting": "cyan",
+    "running": "blue",
+    "cancelling": "yellow",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "yellow",
+}
+
+
+def styled(status: str) -> str:
+    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
+
+
+def runs_table(runs: list[dict[str, Any]]) -> Table:
+    table = Table(
+        Column("id", no_wrap=True),
+        "status",
+        "attempt",
+        Column("model", overflow="ellipsis", max_width=40),
+        "step",
+        "loss",
+        Column("created", no_wrap=True),
+    )
+    for run in runs:
+        progress = run["progress"]
+        total = progress["total_steps"]
+        loss = run["latest_metrics"].get("loss")
+        table.add_row(
+            run["id"],
+            styled(run["status"]),
+            str(run["attempt"]),
+            str(run["spec"]["model"]),
+            f"{progress['step']}/{total or '?'}",
+            f"{loss:.4f}" if loss is not None else "",
+            run["created_at"][:19].replace("T", " "),
+        )
+    return table
+
+
+def checkpoints_table(checkpoints: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "step",
+        "kind",
+        "attempt",
+        Column("path", overflow="fold"),
+        "metrics",
+        Column("created", no_wrap=True),
+    )
+    for c in checkpoints:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c["metrics"].items()))
+        table.add_row(
+            str(c["step"]),
+            c["kind"],
+            str(c["attempt"]),
+            c["path"],
+            metrics,
+            c["created_at"][:19].replace("T", " "),
+        )
+    return table
+
+
+def problems_table(problems: list[dict[str, str]]) -> Table:
+    table = Table("field", "problem", title="The request breaks these rules")
+    for p in problems:
+        table.add_row(p.get("field", ""), p.get("message", ""))
+    return table
+
+
+def print_run(console: Console, run: dict[str, Any]) -> None:
+    progress, metrics = run["progress"], run["latest_metrics"]
+    console.print(f"[bold]{run['id']}[/]  {styled(run['status'])}  attempt {run['attempt']}")
+    console.print(f"  model     {run['spec']['model']}")
+    step = f"{progress['step']}/{progress['total_steps'] or '?'}"
+    if progress["eta_seconds"] is not None:
+        step += f"  (ETA {_duration(progress['eta_seconds'])})"
+    console.print(f"  step      {step}")
+    if run.get("queue_position"):
+        console.print(f"  queue     position {run['queue_position']}")
+    if metrics:
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+        console.print(f"  metrics   {shown}")
+    if run["error"]:
+        console.print(f"  [red]error[/]     {run['error']['code']}: {run['error']['message']}")
+    if run["output"]["latest_checkpoint"]:
+        console.print(f"  checkpoint {run['output']['latest_checkpoint']}")
+    if run["output"]["model_path"]:
+        console.print(f"  model out {run['output']['model_path']}")
+
+
+def watch_run(
+    client: TuneyardClient, run_id: str, console: Console, *, interval_s: float = 1.0
+) -> dict[str, Any]:
+    """Show a live progress bar (step, loss, tokens/s, ETA) and the run's events until it
+    ends; returns the final run."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    last_event: int | None = None
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("", total=None, info="")
+        while True:
+            run = client.get_run(run_id)
+            for event in client.events(run_id, after=last_event):
+                last_event = event["id"]
+                bar.console.print(f"[dim]{event['created_at'][11:19]}[/] {event['message']}")
+            progress, metrics = run["progress"], run["latest_metrics"]
+            info = f"step {progress['step']}/{progress['total_steps'] or '?'}"
+            if "loss" in metrics:
+                info += f"  loss {metrics['loss']:.4f}"
+            if "tokens_per_second" in metrics:
+                info += f"  {metrics['tokens_per_second']:.0f} tok/s"
+            if progress["eta_seconds"] is not None:
+                info += f"  ETA {_duration(progress['eta_seconds'])}"
+            bar.update(
+                task,
+                description=styled(run["status"]),
+                total=progress["total_steps"],
+                completed=progress["step"],
+                info=info,
+            )
+            if run["status"] in TERMINAL:
+                return run
+            time.sleep(interval_s)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -1,0 +1,106 @@
+"""A small synchronous client for tuneyard's REST API, used by the CLI and the demo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class ApiError(Exception):
+    """The service answered with an error; `detail` is its body's `detail`."""
+
+    def __init__(self, status_code: int, error: str, detail: Any) -> None:
+        super().__init__(f"{status_code} {error}: {detail}")
+        self.status_code = status_code
+        self.error = error
+        self.detail = detail
+
+
+class Unreachable(Exception):
+    """No answer from the service at all."""
+
+
+class TuneyardClient:
+    def __init__(self, base_url: str, api_key: str | None, *, timeout: float = 30) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> TuneyardClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise Unreachable(f"cannot reach tuneyard at {self.base_url}: {exc}") from exc
+        if response.is_error:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"error": "http_error", "detail": response.text}
+            raise ApiError(response.status_code, body.get("error", "error"), body.get("detail"))
+        return response
+
+    def create_run(
+        self, spec: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        result: dict[str, Any] = self._call("POST", "/v1/runs", json=spec, headers=headers).json()
+        return result
+
+    def validate(self, spec: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", "/v1/runs/validate", json=spec).json()
+        return result
+
+    def list_runs(
+        self, *, status: str | None, metadata: dict[str, str], limit: int
+    ) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {f"metadata.{k}": v for k, v in metadata.items()}
+        if status:
+            params["status"] = status
+        runs: list[dict[str, Any]] = []
+        cursor = None
+        while len(runs) < limit:
+            params.update(limit=min(limit - len(runs), 100), cursor=cursor)
+            page = self._call(
+                "GET", "/v1/runs", params={k: v for k, v in params.items() if v is not None}
+            ).json()
+            runs += page["data"]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        return runs
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/runs/{run_id}").json()
+        return result
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/runs/{run_id}/cancel").json()
+        return result
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/runs/{run_id}/resume").json()
+        return result
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = self._call("GET", f"/v1/runs/{run_id}/checkpoints").json()[
+            "data"
+        ]
+        return data
+
+    def logs(self, run_id: str, *, tail: int | None = None) -> str:
+        params = {"tail": tail} if tail else {}
+        return self._call("GET", f"/v1/runs/{run_id}/logs", params=params).text
+
+    def events(self, run_id: str, *, after: int | None = None) -> Iterator[dict[str, Any]]:
+        params = {"after": after} if after is not None else {}
+        yield from self._call("GET", f"/v1/runs/{run_id}/events", params=params).json()["data"]

@@ -1,0 +1,48 @@
+"""The one shape every error response has, written down so the OpenAPI document shows it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class Problem(BaseModel):
+    """One broken rule: the dotted name of the field it is about and the rule in words."""
+
+    field: str = Field(examples=["deepspeed.zero_stage"])
+    message: str = Field(examples=["offload_params needs zero_stage 3, got 2"])
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": ..., "detail": ...}`: a stable code to branch on and what went wrong.
+
+    `detail` is a list of problems for a 422 and a sentence for every other status.
+    """
+
+    error: str = Field(examples=["not_found"], description="A stable, machine-readable code.")
+    detail: list[Problem] | str = Field(examples=["run run_0123 not found"])
+
+
+def error_responses(
+    descriptions: dict[int, str], *, non_json_route: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for the given statuses, each documented with `ErrorResponse`.
+
+    FastAPI files a response `model` under the route's own media type; a route that answers
+    in plain text still answers errors in JSON, so it refers to the schema by name instead
+    (registered by the routes that name the model).
+    """
+    if non_json_route:
+        content = {"application/json": {"schema": {"$ref": _ERROR_RESPONSE_REF}}}
+        return {
+            code: {"description": description, "content": content}
+            for code, description in descriptions.items()
+        }
+    return {
+        code: {"model": ErrorResponse, "description": description}
+        for code, description in descriptions.items()
+    }
+
+
+_ERROR_RESPONSE_REF = f"#/components/schemas/{ErrorResponse.__name__}"

@@ -1,0 +1,297 @@
+"""The `tuneyard` CLI against a real HTTP server (uvicorn in a thread) on a real database.
+
+Ray is the scripted stand-in from the dispatch tests; worker progress is posted to the
+real callback endpoints, the way the worker posts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from app.cli import ExitCode, app
+from app.main import create_app
+from app.settings import Settings
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.conftest import make_api_key
+from tests.factories import run_request
+
+
+@dataclass
+class LiveService:
+    url: str
+    key: str
+    ray: ScriptedRay
+    settings: Settings
+    session_factory: sessionmaker[Session]
+
+    def cli(self, *args: str, key: str | None = None) -> Any:
+        """Run the CLI in-process; the result has exit_code, stdout and stderr."""
+        env = {"TUNEYARD_URL": self.url, "TUNEYARD_API_KEY": key or self.key, "COLUMNS": "200"}
+        return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+
+    def dispatch(self) -> str:
+        """Dispatch queued runs to the scripted Ray; the last one's worker token."""
+        dispatch_to(self.ray, self.settings, self.session_factory)
+        token: str = self.ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+        return token
+
+    def worker_post(self, run_id: str, token: str, what: str, body: dict[str, Any]) -> None:
+        response = httpx.post(
+            f"{self.url}/v1/internal/runs/{run_id}/{what}",
+            json={"attempt": 1, **body},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert response.status_code == 200, response.text
+
+
+@pytest.fixture
+def live(
+    settings: Settings, session_factory: sessionmaker[Session], unused_tcp_port: int
+) -> Iterator[LiveService]:
+    api = create_app(settings, start_background=False)
+    ray = ScriptedRay()
+    api.state.jobs = ray
+    server = uvicorn.Server(
+        uvicorn.Config(api, host="127.0.0.1", port=unused_tcp_port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield LiveService(
+            url=f"http://127.0.0.1:{unused_tcp_port}",
+            key=make_api_key(session_factory),
+            ray=ray,
+            settings=settings,
+            session_factory=session_factory,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture
+def unused_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_spec(root: Path, name: str = "spec.yaml", **overrides: Any) -> Path:
+    path = root / name
+    path.write_text(yaml.safe_dump(run_request(root, **overrides)))
+    return path
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class TestSubmit:
+    def test_yaml_spec_creates_a_run_listed_with_its_metadata(
+        self, live: LiveService, tmp_path: Path
+    ) -> None:
+        spec = write_spec(tmp_path, metadata={"team": "nlp"})
+        result = live.cli("submit", str(spec))
+        assert result.exit_code == ExitCode.OK, result.stderr
+        run_id = result.stdout.strip()
+        assert run_id.startswith("run_")
+
+        status = live.cli("status", run_id, "--json")
+        assert json.loads(status.stdout)["status"] == "queued"
+        assert run_id in live.cli("list", "--metadata", "team=nlp").stdout
+        assert run_id not in live.cli("list", "--metadata", "team=vision").stdout
+        assert run_id in live.cli("list", "--status", "queued").stdout
+
+    def test_json_spec_from_stdin_with_idempotency_key(
+        self, live: LiveService, tmp_path: Path
+    ) -> None:
+        body = json.dumps(run_request(tmp_path))
+        env = {"TUNEYARD_URL": live.url, "TUNEYARD_API_KEY": live.key}
+        first = CliRunner().invoke(
+            app, ["submit", "-", "--idempotency-key", "k1"], input=body, env=env
+        )
+        again = CliRunner().invoke(
+            app, ["submit", "-", "--idempotency-key", "k1"], input=body, env=env
+        )
+        assert first.exit_code == again.exit_code == ExitCode.OK
+        assert first.stdout == again.stdout
+
+    def test_invalid_spec_is_refused_with_each_rule_and_nothing_stored(
+        self, live: LiveService, tmp_path: Path
+    ) -> None:
+        spec = write_spec(
+            tmp_path,
+            deepspeed={"zero_stage": 1, "offload_params": "cpu", "tensor_parallel_size": 2},
+            resources={"num_workers": 3},
+        )
+        result = live.cli("submit", str(spec))
+        assert result.exit_code == ExitCode.REFUSED
+        assert "offload_params" in result.stderr
+        assert "tensor_parallel_size" in result.stderr
+        assert json.loads(live.cli("list", "--json").stdout) == []
+
+    def test_unreadable_spec_is_a_usage_error(self, live: LiveService, tmp_path: Path) -> None:
+        missing = live.cli("submit", str(tmp_path / "nope.yaml"))
+        assert missing.exit_code == ExitCode.USAGE
+        assert "cannot read the spec" in missing.stderr
+        (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+        not_a_mapping = live.cli("submit", str(tmp_path / "list.yaml"))
+        assert not_a_mapping.exit_code == ExitCode.USAGE
+
+
+class TestValidate:
+    def test_valid_spec_shows_resolved_config(self, live: LiveService, tmp_path: Path) -> None:
+        result = live.cli("validate", str(write_spec(tmp_path)), "--json")
+        assert result.exit_code == ExitCode.OK, result.stderr
+        report = json.loads(result.stdout)
+        assert report["valid"] is True
+        assert report["resolved"]["deepspeed_config"]["zero_optimization"]["stage"] == 2
+        assert json.loads(live.cli("list", "--json").stdout) == []  # nothing created
+
+    def test_invalid_spec_exits_3_naming_the_field(self, live: LiveService, tmp_path: Path) -> None:
+        spec = write_spec(tmp_path, deepspeed={"tensor_parallel_size": 2})
+        spec_text = yaml.safe_load(spec.read_text())
+        spec_text["resources"]["num_workers"] = 3
+        spec.write_text(yaml.safe_dump(spec_text))
+        result = live.cli("validate", str(spec))
+        assert result.exit_code == ExitCode.REFUSED
+        assert "tensor_parallel_size" in result.stderr
+
+
+class TestErrors:
+    def test_unknown_run_exits_4(self, live: LiveService) -> None:
+        for command in ("status", "watch", "cancel", "resume", "checkpoints", "logs"):
+            result = live.cli(command, "run_doesnotexist")
+            assert result.exit_code == ExitCode.NOT_FOUND, (command, result.stderr)
+
+    def test_wrong_key_exits_7_and_says_how_to_fix(self, live: LiveService) -> None:
+        result = live.cli("list", key="sk_wrong")
+        assert result.exit_code == ExitCode.UNAUTHORIZED
+        assert "TUNEYARD_API_KEY" in result.stderr
+
+    def test_unreachable_service_exits_6(self, unused_tcp_port: int) -> None:
+        env = {"TUNEYARD_URL": f"http://127.0.0.1:{unused_tcp_port}", "TUNEYARD_API_KEY": "x"}
+        result = CliRunner().invoke(app, ["list"], env=env)
+        assert result.exit_code == ExitCode.UNREACHABLE
+        assert "cannot reach tuneyard" in result.stderr
+
+
+class TestControl:
+    def test_cancel_then_resume(self, live: LiveService, tmp_path: Path) -> None:
+        run_id = live.cli("submit", str(write_spec(tmp_path))).stdout.strip()
+        cancelled = live.cli("cancel", run_id)
+        assert cancelled.exit_code == ExitCode.OK
+        assert "cancelled" in cancelled.stdout
+        resumed = live.cli("resume", run_id)
+        assert resumed.exit_code == ExitCode.OK
+        assert "queued (attempt 2)" in resumed.stdout
+        assert live.cli("resume", run_id).exit_code == ExitCode.REFUSED  # not failed/cancelled
+
+    def test_checkpoints_and_logs(self, live: LiveService, tmp_path: Path) -> None:
+        run_id = live.cli("submit", str(write_spec(tmp_path))).stdout.strip()
+        token = live.dispatch()
+        live.worker_post(run_id, token, "status", {"status": "running"})
+        live.worker_post(
+            run_id,
+            token,
+            "checkpoints",
+            {"step": 5, "path": "/shared/ckpt/step-5", "kind": "deepspeed", "metrics": {}},
+        )
+        table = live.cli("checkpoints", run_id)
+        assert table.exit_code == ExitCode.OK
+        assert "/shared/ckpt/step-5" in table.stdout
+        assert json.loads(live.cli("checkpoints", run_id, "--json").stdout)[0]["step"] == 5
+
+        live.ray.logs_text = "line 1\nline 2\nline 3\n"
+        assert live.cli("logs", run_id, "--tail", "2").stdout == "line 2\nline 3"
+        live.worker_post(run_id, token, "status", {"status": "succeeded"})
+        followed = live.cli("logs", run_id, "--follow", "--interval", "0.1")
+        assert followed.exit_code == ExitCode.OK
+        assert followed.stdout == "line 1\nline 2\nline 3\n"
+
+
+class TestWatch:
+    def _watch_in_background(self, live: LiveService, run_id: str) -> subprocess.Popen[str]:
+        """A real `tuneyard watch` process, so it sees the run change while it polls."""
+        env = {
+            **os.environ,
+            "TUNEYARD_URL": live.url,
+            "TUNEYARD_API_KEY": live.key,
+            "COLUMNS": "200",
+        }
+        return subprocess.Popen(
+            [sys.executable, "-m", "app", "watch", run_id, "--interval", "0.2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def test_follows_progress_to_success(self, live: LiveService, tmp_path: Path) -> None:
+        run_id = live.cli("submit", str(write_spec(tmp_path))).stdout.strip()
+        watcher = self._watch_in_background(live, run_id)
+        token = live.dispatch()
+        live.worker_post(run_id, token, "status", {"status": "running"})
+        for step in range(1, 6):
+            live.worker_post(
+                run_id,
+                token,
+                "metrics",
+                {
+                    "points": [
+                        {"step": step, "name": "loss", "value": 3.0 - step / 10, "time": _now()},
+                        {"step": step, "name": "tokens_per_second", "value": 900, "time": _now()},
+                    ],
+                    "progress": {"step": step, "total_steps": 5},
+                },
+            )
+            time.sleep(0.3)
+        assert watcher.poll() is None  # still watching a running run
+        live.worker_post(run_id, token, "status", {"status": "succeeded"})
+        stdout, stderr = watcher.communicate(timeout=60)
+        assert watcher.returncode == ExitCode.OK, stderr
+        assert "succeeded" in stdout
+        assert "step 5/5" in stderr and "loss 2.5000" in stderr and "900 tok/s" in stderr
+        assert "submitting Ray job" in stderr  # the run's events are shown as they come
+
+    def test_failed_run_exits_1_with_the_error(self, live: LiveService, tmp_path: Path) -> None:
+        run_id = live.cli("submit", str(write_spec(tmp_path))).stdout.strip()
+        token = live.dispatch()
+        live.worker_post(
+            run_id,
+            token,
+            "status",
+            {"status": "failed", "error": {"code": "oom", "message": "out of memory at step 3"}},
+        )
+        result = live.cli("watch", run_id)
+        assert result.exit_code == ExitCode.RUN_FAILED
+        assert "out of memory at step 3" in result.stdout
+
+    def test_cancelled_run_exits_5(self, live: LiveService, tmp_path: Path) -> None:
+        run_id = live.cli("submit", str(write_spec(tmp_path)), "--json").stdout
+        run_id = json.loads(run_id)["id"]
+        live.cli("cancel", run_id)
+        assert live.cli("watch", run_id).exit_code == ExitCode.RUN_CANCELLED
