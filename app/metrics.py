@@ -31,7 +31,9 @@ class RunsByStatus(Collector):
         family = GaugeMetricFamily("tuneyard_runs", "Runs by status", labels=["status"])
         with self._session_factory() as session:
             counts = dict(
-                session.execute(select(Run.status, func.count()).group_by(Run.status)).tuples()
+                session.execute(select(Run.status, func.count()).group_by(Run.status))
+                .tuples()
+                .all()
             )
         for status in RunStatus:
             family.add_metric([status.value], counts.get(status.value, 0))
@@ -67,7 +69,7 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.metric_points = Counter(
-            "tuneyard_metric_points_ingested",
-            "Metric points stored from worker callbacks",
+            "tuneyard_metric_points_received",
+            "Metric points received from workers (a retried batch counts again; it is stored once)",
             registry=self.registry,
         )
