@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from pydantic import ValidationError
 from rich.console import Console
 
 from app.client import TERMINAL, ApiError, TuneyardClient, Unreachable
@@ -102,6 +103,18 @@ def _read_spec(path: str) -> dict[str, Any]:
     return spec
 
 
+def _settings(**overrides: Any) -> Settings:
+    """The service's settings, or a readable refusal naming each bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        for problem in exc.errors():
+            loc = "_".join(str(part) for part in problem["loc"]).upper()
+            name = f"TUNEYARD_{loc}" if loc else "settings"
+            err.print(f"[red]invalid {name}:[/] {problem['msg'].removeprefix('Value error, ')}")
+        raise typer.Exit(ExitCode.USAGE) from None
+
+
 def _print_json(value: Any) -> None:
     out.print_json(json.dumps(value))
 
@@ -135,7 +148,7 @@ def serve(
     overrides: dict[str, Any] = {
         k: v for k, v in {"host": host, "port": port}.items() if v is not None
     }
-    settings = Settings(**overrides)
+    settings = _settings(**overrides)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     # log_config=None: uvicorn's own loggers go through the handler configured above.
     uvicorn.run(
@@ -318,7 +331,7 @@ def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for
     from app.migrate import upgrade_database
     from app.services.api_keys import create_api_key
 
-    settings = Settings()
+    settings = _settings()
     upgrade_database(settings.resolved_database_url)
     engine = make_engine(settings.resolved_database_url)
     with transaction(make_session_factory(engine)) as session:

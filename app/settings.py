@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The demo writes its tiny model and dataset here, so runs may read from it by default.
@@ -47,6 +47,18 @@ class Settings(BaseSettings):
     # run id of every record that concerns a run.
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("storage_path", mode="before")
+    @classmethod
+    def _refuse_uris(cls, value: object) -> object:
+        # Path("s3://bucket") would silently become the local folder "s3:/bucket".
+        if isinstance(value, str) and "://" in value:
+            raise ValueError(
+                f"TUNEYARD_STORAGE_PATH must be a filesystem path every node shares, got "
+                f"{value!r}; object-store URIs are not supported yet: mount the bucket on "
+                f"every node (e.g. mountpoint-s3, gcsfuse) and give the mount path"
+            )
+        return value
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:

@@ -30,6 +30,7 @@ class Service:
     http: httpx.Client
     log_path: Path
     env: dict[str, str]
+    api_key: str
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 180) -> None:
@@ -65,6 +66,22 @@ class Service:
             self.proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def cli(self, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+        """The `tuneyard` CLI pointed at this service, as a user runs it."""
+        env = {
+            **self.env,
+            "TUNEYARD_URL": self.base_url,
+            "TUNEYARD_API_KEY": self.api_key,
+            "COLUMNS": "200",
+        }
+        return subprocess.run(
+            [sys.executable, "-m", "app", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/v1/runs", json=body)
@@ -128,6 +145,7 @@ def make_service(
         http=http,
         log_path=home / "service.log",
         env=env,
+        api_key=key,
     )
 
 

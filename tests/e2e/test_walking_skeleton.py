@@ -4,8 +4,10 @@ workers → DeepSpeed ZeRO-2 → callbacks → what a client reads back."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -38,11 +40,20 @@ def _zero2_request(model: Path, data: Path, **training: object) -> dict[str, obj
 
 def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_dir: Path) -> None:
     data = write_jsonl_dataset(service.data_dir / "news.jsonl", rows=800)
-    run = service.submit(_zero2_request(tiny_model_dir, data))
+    spec = service.data_dir / "zero2.json"
+    spec.write_text(json.dumps(_zero2_request(tiny_model_dir, data)))
+    submitted = service.cli("submit", str(spec), "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    run = json.loads(submitted.stdout)
     assert run["status"] == "queued"
 
-    run = service.wait_terminal(run["id"])
+    # `tuneyard watch` follows it to the end and exits 0 because it succeeded.
+    watched = service.cli("watch", run["id"], "--interval", "0.5")
+    run = service.http.get(f"/v1/runs/{run['id']}").json()
     assert run["status"] == "succeeded", (run["error"], service.log_path.read_text()[-3000:])
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert f"step {STEPS}/{STEPS}" in watched.stderr
+    assert "succeeded" in watched.stdout
     assert run["started_at"] and run["finished_at"]
     assert run["progress"]["step"] == STEPS
     assert run["progress"]["total_steps"] == STEPS
@@ -91,6 +102,13 @@ def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_d
         state["transformer.h.0.mlp.c_fc.weight"], initial["transformer.h.0.mlp.c_fc.weight"]
     )
 
+    # What operators see: Prometheus counts, and the run id on the service's log lines.
+    scrape = httpx.get(f"{service.base_url}/metrics").text
+    assert re.search(r'^tuneyard_runs\{status="succeeded"\} [1-9]', scrape, re.M), scrape
+    assert re.search(r"^tuneyard_dispatch_latency_seconds_count [1-9]", scrape, re.M)
+    assert re.search(r'^tuneyard_callbacks_total\{kind="metrics"\} [1-9]', scrape, re.M)
+    assert f"run_id={run['id']}" in service.log_path.read_text()
+
 
 def test_a_dataset_without_the_text_field_fails_naming_the_field(
     service: Service, tiny_model_dir: Path
@@ -98,6 +116,9 @@ def test_a_dataset_without_the_text_field_fails_naming_the_field(
     data = write_jsonl_dataset(service.data_dir / "wrong-field.jsonl", rows=50, field="body")
     run = service.submit(_zero2_request(tiny_model_dir, data))
 
+    watched = service.cli("watch", run["id"], "--interval", "0.5")
+    assert watched.returncode == 1  # scripts can rely on it: the run failed
+    assert "dataset.text_field" in watched.stdout
     run = service.wait_terminal(run["id"])
     assert run["status"] == "failed"
     assert run["error"]["code"] == "training_error"
