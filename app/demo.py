@@ -19,13 +19,16 @@ from app.client import ApiError, TuneyardClient
 from app.settings import DEMO_DIRNAME, Settings
 
 console = Console(soft_wrap=True)  # paths stay on one line, copyable
+# `tuneyard demo --hub`: the tutorials' model and dataset, where a hub is reachable.
+HUB_MODEL = "gpt2"
+HUB_DATASET = {"source": "fancyzhx/ag_news", "split": "train", "text_field": "text"}
 
 
 def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
     settings = Settings()
     if hub:
         # Hub ids, as in Ray's and DeepSpeed's tutorials: the workers download them.
-        model, dataset = "gpt2", {"source": "ag_news", "text_field": "text"}
+        model, dataset = HUB_MODEL, HUB_DATASET
     else:
         model_dir, data_file = _build_assets(settings.home_dir / DEMO_DIRNAME)
         model, dataset = str(model_dir), {"source": str(data_file), "text_field": "text"}
@@ -99,10 +102,8 @@ def _wait_ready(client: TuneyardClient, server: subprocess.Popen[bytes], log_pat
     raise SystemExit(f"the service did not become ready; see {log_path}")
 
 
-def _submit_and_watch(
-    client: TuneyardClient, *, model: str, dataset: dict[str, Any], steps: int
-) -> int:
-    request = {
+def demo_request(*, model: str, dataset: dict[str, Any], steps: int) -> dict[str, Any]:
+    return {
         "model": model,
         "dataset": dataset,
         "training": {
@@ -118,6 +119,12 @@ def _submit_and_watch(
         "checkpointing": {"export_hf": True},
         "metadata": {"source": "tuneyard demo"},
     }
+
+
+def _submit_and_watch(
+    client: TuneyardClient, *, model: str, dataset: dict[str, Any], steps: int
+) -> int:
+    request = demo_request(model=model, dataset=dataset, steps=steps)
     try:
         run = client.create_run(request)
     except ApiError as exc:
