@@ -11,14 +11,16 @@ import os
 import sys
 
 from worker.failures import describe_failure, failure_code
+from worker.logs import configure_worker_logging
 from worker.service_client import ServiceClient
 from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    log = logging.getLogger("tuneyard.worker")
     spec = RunSpec.from_env()
+    configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt)
+    log = logging.getLogger("tuneyard.worker")
     client = ServiceClient(
         base_url=os.environ[CALLBACK_URL_ENV],
         token=os.environ[TOKEN_ENV],
@@ -30,10 +32,10 @@ def main() -> int:
         from worker.trainer import build_trainer
 
         result = build_trainer(spec).fit()
-        log.info("run %s: finished, checkpoint %s", spec.run_id, result.checkpoint)
+        log.info("finished, checkpoint %s", result.checkpoint)
     except BaseException as exc:
         message, code = describe_failure(exc), failure_code(exc)
-        log.error("run %s: failed (%s): %s", spec.run_id, code, message)
+        log.error("failed (%s): %s", code, message)
         client.status("failed", error=message, code=code)
         client.close()
         return 1
