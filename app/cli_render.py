@@ -120,7 +120,7 @@ def watch_run(
             run = client.get_run(run_id)
             for event in client.events(run_id, after=last_event):
                 last_event = event["id"]
-                bar.console.print(f"[dim]{event['created_at'][11:19]}[/] {event['message']}")
+                bar.console.print(f"[dim]{event['created_at'][11:19]}[/] {_describe(event)}")
             progress, metrics = run["progress"], run["latest_metrics"]
             info = f"step {progress['step']}/{progress['total_steps'] or '?'}"
             if "loss" in metrics:
@@ -139,6 +139,12 @@ def watch_run(
             if run["status"] in TERMINAL:
                 return run
             time.sleep(interval_s)
+
+
+def _describe(event: dict[str, Any]) -> str:
+    if event["type"] == "status" and event["status"]:
+        return f"{styled(event['status'])} {event['message']}".rstrip()
+    return str(event["message"])
 
 
 def _duration(seconds: float) -> str:
