@@ -186,8 +186,10 @@ def submit(
 
 @app.command()
 def validate(ctx: typer.Context, spec: SpecArg, as_json: JsonOpt = False) -> None:
-    """Check a spec without creating a run: every broken rule, the resolved DeepSpeed config
-    and the cost estimate. Exit 0 when valid, 3 when not."""
+    """Check a spec without creating a run; exit 0 when valid, 3 when not.
+
+    Prints every broken rule, or the resolved DeepSpeed config and the cost estimate.
+    """
     body = _read_spec(spec)
     with _client(ctx) as client:
         report = client.validate(body)
@@ -251,8 +253,10 @@ def watch(
     run_id: RunIdArg,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 1.0,
 ) -> None:
-    """Follow a run to its end with a live progress bar. Exit 0 when it succeeds, 1 when it
-    fails, 5 when it is cancelled."""
+    """Follow a run to its end with a live progress bar; exit 0/1/5: succeeded/failed/cancelled.
+
+    Shows step, loss, tokens/s and ETA, and the run's events as they happen.
+    """
     from app.cli_render import watch_run
 
     with _client(ctx) as client:
@@ -352,7 +356,9 @@ def demo(
     ),
 ) -> None:
     """Start the service, fine-tune over HTTP, watch it, and show the exported model.
-    Offline by default: a tiny GPT-2, tokenizer and dataset are built locally."""
+
+    Offline by default: a tiny GPT-2, tokenizer and dataset are built locally.
+    """
     from app.demo import run_demo
 
     raise typer.Exit(run_demo(steps=steps, port=port, hub=hub))
