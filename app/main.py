@@ -15,7 +15,7 @@ from app.dispatch import Dispatcher
 from app.errors import install_error_handlers
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
-from app.migrate import upgrade_database
+from app.migrate import upgrade_database, wait_for_database
 from app.ray_head import ensure_local_head, forget_local_head
 from app.ray_jobs import RayJobs
 from app.settings import Settings
@@ -32,12 +32,14 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        wait_for_database(settings.resolved_database_url, timeout_s=settings.database_wait_s)
         upgrade_database(settings.resolved_database_url)
         settings.resolved_storage_path.mkdir(parents=True, exist_ok=True)
         head = None
         if start_background:
             if settings.ray_address:
-                # A remote cluster's token comes from RAY_AUTH_TOKEN(_PATH), as Ray reads it.
+                # A remote cluster's token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN(_PATH),
+                # as Ray reads them.
                 address = settings.ray_address
             else:
                 head = ensure_local_head(settings)

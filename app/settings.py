@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
 
+    # A database still starting (a fresh container) gets this long to answer at start-up.
+    database_wait_s: float = Field(default=60.0, ge=0)
+
     # Runs live on Ray at once; the rest wait in the queue, oldest first.
     max_concurrent_runs: int = Field(default=4, ge=1)
     # How often the dispatcher looks for queued runs and checks Ray's view of live ones.
