@@ -13,6 +13,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 # Writers wait this long for SQLite's lock instead of failing with "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Connections kept open, per engine. Requests run on up to 40 worker threads (AnyIO's
+# default); a pool smaller than the requests in flight closes and reopens connections under
+# load (with SQLite, each reopening sets its pragmas again), so keep enough for a busy client.
+POOL_SIZE = 20
+POOL_MAX_OVERFLOW = 20
 
 
 def make_engine(url: str, *, for_writes: bool = True) -> Engine:
@@ -20,12 +25,18 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
     then share the database in WAL mode instead of queueing for the write lock."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        return create_engine(
+            url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=POOL_MAX_OVERFLOW
+        )
 
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    on_disk = bool(parsed.database) and parsed.database != ":memory:"
+    if on_disk:
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
     engine = create_engine(
-        url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+        url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        # In-memory SQLite lives in one connection (SingletonThreadPool), which takes no size.
+        **({"pool_size": POOL_SIZE, "max_overflow": POOL_MAX_OVERFLOW} if on_disk else {}),
     )
 
     @event.listens_for(engine, "connect")
@@ -43,7 +54,9 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
     def _sqlite_begin(conn: Any) -> None:
         # A deferred transaction that reads and then writes fails at once ("database is
         # locked") if another writer committed meanwhile; IMMEDIATE waits its turn instead.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if for_writes else "BEGIN")
+        # Straight to the driver: this runs once per transaction, and SQLAlchemy's own
+        # statement execution would cost more than the statement.
+        conn.connection.driver_connection.execute("BEGIN IMMEDIATE" if for_writes else "BEGIN")
 
     return engine
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_report_checkpoint
+from worker.logs import configure_worker_logging
 from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
 
 log = logging.getLogger("tuneyard.worker")
@@ -21,7 +22,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     spec = RunSpec.from_dict(config["spec"])
     rank = ray.train.get_context().get_world_rank()
+    configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
     sinks = _MetricSinks(spec, rank=rank)
+    # With "engine_ready" below: when each start-up stage ended, as events on the service's
+    # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
+    sinks.event("worker_started", f"training workers started ({spec.resources.num_workers})")
     try:
         _train(spec, rank=rank, sinks=sinks)
     finally:
@@ -31,6 +36,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
+    setup_started = time.perf_counter()
     import deepspeed
     import torch
     from transformers import set_seed
@@ -52,6 +58,11 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=resolve_deepspeed_config(spec, bf16_supported=bf16_ok),
+    )
+    sinks.event(
+        "engine_ready",
+        f"tokenizer, data, model and DeepSpeed engine ready in "
+        f"{time.perf_counter() - setup_started:.1f}s",
     )
     step = restore_checkpoint(engine, spec)
     if step and sinks.client is not None:
@@ -235,6 +246,11 @@ class _MetricSinks:
         self.latest = {**self.latest, **metrics}
         if self.sender is not None:
             self.sender.log(metrics, step=step, progress=self._progress or {"step": step})
+
+    def event(self, type: str, message: str) -> None:
+        """One try, no retries: these are informational and must not delay training."""
+        if self.client is not None:
+            self.client.post("/events", {"type": type, "message": message}, attempts=1)
 
     def flush(self) -> None:
         """Before a checkpoint: every step up to it is delivered, so a restart from that

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Form, Request, UploadFile, status
+from fastapi import APIRouter, Form, Request, Security, UploadFile, status
 
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
 from app.errors import PayloadTooLarge
+from app.schemas.errors import error_responses
 from app.schemas.file_view import FileView
+from app.schemas.security_schemes import api_key
 from app.services import files
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Security(api_key)])
 
-_errors: dict[int | str, dict[str, Any]] = {
-    401: {"description": "Missing or invalid API key"},
-    413: {"description": "Larger than TUNEYARD_MAX_UPLOAD_BYTES"},
-    422: {"description": "The file breaks a rule; each message gives the line or row"},
-}
+_UNAUTHORIZED = "Missing or invalid API key"
 
 
 @router.post(
@@ -29,7 +27,14 @@ _errors: dict[int | str, dict[str, Any]] = {
         "Every record is parsed and checked for the fields its `purpose` needs before the "
         "file is stored; use the returned id as a run's `dataset.source`."
     ),
-    responses=_errors,
+    responses=error_responses(
+        {
+            400: "The multipart body cannot be parsed",
+            401: _UNAUTHORIZED,
+            413: "Larger than TUNEYARD_MAX_UPLOAD_BYTES",
+            422: "The file or a form field breaks a rule; each message gives the line or row",
+        }
+    ),
 )
 def upload_file(
     request: Request,
@@ -77,7 +82,13 @@ def upload_file(
     "/{file_id}",
     response_model=FileView,
     summary="Get an uploaded file's record",
-    responses={401: _errors[401], 404: {"description": "No such file (or not yours)"}},
+    responses=error_responses(
+        {
+            401: _UNAUTHORIZED,
+            404: "No such file (or not yours)",
+            422: "A parameter breaks a rule; `detail` names it and the rule",
+        }
+    ),
 )
 def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> FileView:
     return FileView.of(files.get_file(session, file_id=file_id, owner_id=principal.id))

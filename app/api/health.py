@@ -6,11 +6,18 @@ from fastapi import APIRouter, Request
 from sqlalchemy import text
 
 from app.api.deps import SessionDep
+from app.schemas.health import HealthView
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", summary="Service, database and Ray reachability")
+@router.get(
+    "/healthz",
+    response_model=HealthView,
+    summary="Service, database and Ray reachability",
+    description="Always 200 while the service answers, without an API key; `status` says "
+    "whether the database and Ray are usable. It has no error responses of its own.",
+)
 def healthz(request: Request, session: SessionDep) -> dict:
     try:
         session.execute(text("SELECT 1"))

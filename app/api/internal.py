@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Security
 
 from app.api.deps import SessionDep, bearer_token
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
+from app.schemas.security_schemes import run_token
 from app.services import callbacks
 from app.services.run_status import record_event
 
-router = APIRouter(prefix="/v1/internal/runs", tags=["worker callbacks"])
+router = APIRouter(
+    prefix="/v1/internal/runs", tags=["worker callbacks"], dependencies=[Security(run_token)]
+)
 
 _errors = error_responses(
     {
+        400: "The body is not UTF-8 text",
         401: "Missing, wrong or expired run token",
         404: "No such run",
         409: "The attempt is over, or the status change is not allowed",

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Body, Header, Query, Request, Response, status
+from fastapi import (
+    APIRouter,
+    BackgroundTasks,
+    Body,
+    Header,
+    Query,
+    Request,
+    Response,
+    Security,
+    status,
+)
 from fastapi.responses import PlainTextResponse
+from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, run_in_read_session
+from app.schemas.errors import error_responses
+from app.schemas.run_examples import RUN_REQUEST_EXAMPLES
 from app.schemas.run_request import RunRequest
 from app.schemas.run_view import (
     CheckpointList,
@@ -20,17 +33,21 @@ from app.schemas.run_view import (
     RunList,
     RunView,
     ValidationReport,
+    json_response,
 )
+from app.schemas.security_schemes import api_key
 from app.services import run_control, run_data, run_logs, run_stream, runs
 from app.status import RunStatus
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[Security(api_key)])
 
-_errors: dict[int | str, dict[str, Any]] = {
-    401: {"description": "Missing or invalid API key"},
-    404: {"description": "No such run (or not yours)"},
-    422: {"description": "The request breaks a rule; `detail` names each field and rule"},
-}
+_UNAUTHORIZED = "Missing or invalid API key"
+# FastAPI answers 400 for a body it cannot decode at all (JSON that is not UTF-8).
+_UNREADABLE_BODY = "The body is not UTF-8 text"
+_NOT_FOUND = "No such run (or not yours)"
+_INVALID_PARAMETER = "A parameter breaks a rule; `detail` names it and the rule"
+# FastAPI documents a 422 for every operation that takes parameters; give it the real shape.
+_errors = error_responses({401: _UNAUTHORIZED, 404: _NOT_FOUND, 422: _INVALID_PARAMETER})
 
 
 @router.post(
@@ -39,20 +56,36 @@ _errors: dict[int | str, dict[str, Any]] = {
     response_model=RunView,
     summary="Create a fine-tuning run",
     responses={
-        200: {"description": "An earlier run with the same Idempotency-Key and body"},
-        409: {"description": "The Idempotency-Key was used with a different body"},
-        **{k: v for k, v in _errors.items() if k != 404},
+        200: {
+            "model": RunView,
+            "description": "An earlier run with the same Idempotency-Key and body",
+        },
+        **error_responses(
+            {
+                400: _UNREADABLE_BODY,
+                401: _UNAUTHORIZED,
+                409: "The Idempotency-Key was used with a different body",
+                422: "The request breaks a rule; `detail` names each field and rule",
+            }
+        ),
     },
 )
 def create_run(
-    body: RunRequest,
+    body: Annotated[RunRequest, Body(openapi_examples=RUN_REQUEST_EXAMPLES)],
     request: Request,
     response: Response,
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     background: BackgroundTasks,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            max_length=255,
+            description="Retry safely: the same key and body give the same run (200); "
+            "the same key with another body is refused (409).",
+        ),
+    ] = None,
 ) -> RunView:
     run, created = runs.create_run(
         session,
@@ -78,7 +111,13 @@ def create_run(
         "The same checks as `POST /v1/runs`, with nothing stored. Returns every problem "
         "at once, the DeepSpeed config the worker would use, and an estimate of the cost."
     ),
-    responses={401: _errors[401]},
+    responses=error_responses(
+        {
+            400: _UNREADABLE_BODY,
+            401: _UNAUTHORIZED,
+            422: "The body is missing or not JSON (a body that breaks rules gets a report)",
+        }
+    ),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -89,7 +128,7 @@ def create_run(
     },
 )
 def validate_run(
-    body: Annotated[Any, Body()],
+    body: Annotated[Any, Body(openapi_examples=RUN_REQUEST_EXAMPLES)],
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
@@ -104,7 +143,7 @@ def validate_run(
     response_model=RunList,
     summary="List runs, newest first",
     description="Filter by `status` and by metadata with `metadata.<key>=<value>` parameters.",
-    responses=_errors,
+    responses=error_responses({401: _UNAUTHORIZED, 422: _INVALID_PARAMETER}),
 )
 def list_runs(
     request: Request,
@@ -134,9 +173,14 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunView, summary="Get one run", responses=_errors)
-def get_run(run_id: str, session: SessionDep, principal: CurrentPrincipal) -> RunView:
-    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    return RunView.of(run, queue_position=runs.queue_position(session, run))
+async def get_run(run_id: str, request: Request, principal: CurrentPrincipal) -> Response:
+    # The hot path of every poller: one trip to a worker thread for the whole read, and the
+    # view serialized once, there (see json_response).
+    def read(session: Session) -> Response:
+        run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+        return json_response(RunView.of(run, queue_position=runs.queue_position(session, run)))
+
+    return await run_in_read_session(request, read)
 
 
 @router.get(
@@ -201,7 +245,7 @@ def get_events(
     summary="Cancel a run",
     description="Queued → cancelled; live → cancelling, then cancelled once Ray confirms. "
     "Repeating it is harmless.",
-    responses={**_errors, 409: {"description": "The run already finished"}},
+    responses={**_errors, **error_responses({409: "The run already finished"})},
 )
 def cancel_run(
     run_id: str,
@@ -224,7 +268,7 @@ def cancel_run(
     "/{run_id}/resume",
     response_model=RunView,
     summary="Resume a failed or cancelled run from its latest checkpoint",
-    responses={**_errors, 409: {"description": "The run is not failed or cancelled"}},
+    responses={**_errors, **error_responses({409: "The run is not failed or cancelled"})},
 )
 def resume_run(
     run_id: str,
@@ -244,7 +288,15 @@ def resume_run(
     "/{run_id}/logs",
     summary="The Ray job's log text",
     response_class=PlainTextResponse,
-    responses={**_errors, 503: {"description": "Ray cannot be reached"}},
+    responses=error_responses(
+        {
+            401: _UNAUTHORIZED,
+            404: _NOT_FOUND,
+            422: _INVALID_PARAMETER,
+            503: "Ray cannot be reached, or this service is not attached to it",
+        },
+        non_json_route=True,
+    ),
 )
 def get_logs(
     run_id: str,
@@ -262,14 +314,30 @@ def get_logs(
     summary="Server-Sent Events: the run's events and metrics as they arrive",
     description="Reconnect with `Last-Event-ID` to continue without loss. "
     "The stream ends with an `end` event once the run is terminal.",
-    responses={**_errors, 200: {"content": {"text/event-stream": {}}}},
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "description": "`event` and `metric` events, then `end`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **error_responses(
+            {
+                401: _UNAUTHORIZED,
+                404: _NOT_FOUND,
+                422: "Last-Event-ID is not an id this stream sent",
+            },
+            non_json_route=True,
+        ),
+    },
 )
 def stream_events(
     run_id: str,
     request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
-    last_event_id: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[
+        str | None, Header(description="The `id` of the last event received, to resume after it")
+    ] = None,
 ) -> EventSourceResponse:
     runs.get_run(session, run_id=run_id, owner_id=principal.id)
     cursor = run_stream.StreamCursor.parse(last_event_id)

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from app.schemas.run_examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
+
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 # Fields a client may be tempted to send back from a run object; the server owns them.
@@ -126,17 +128,7 @@ class RunRequest(BaseModel):
         extra="forbid",
         allow_inf_nan=False,
         protected_namespaces=(),
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": "gpt2",
-                    "dataset": {"source": "ag_news", "text_field": "text"},
-                    "training": {"max_steps": 100, "learning_rate": 1e-5, "seq_length": 512},
-                    "deepspeed": {"zero_stage": 3},
-                    "resources": {"num_workers": 2},
-                }
-            ]
-        },
+        json_schema_extra={"examples": [GPT2_ZERO3, QWEN_AUTOTP, BERT_MRPC_ZERO3]},
     )
 
     model: str = Field(min_length=1, description="A hub model id or a local model folder.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi import Response
 from pydantic import BaseModel
 
 from app.models import Checkpoint, Event, Metric, Run
@@ -15,6 +16,13 @@ def as_utc(value: datetime | None) -> datetime | None:
     if value is None or value.tzinfo is not None:
         return value
     return value.replace(tzinfo=UTC)
+
+
+def json_response(view: BaseModel, *, status_code: int = 200) -> Response:
+    """`view` as JSON, serialized once by pydantic. Returned from a route, it skips FastAPI's
+    response_model handling, which validates the view again (in a worker thread, for a sync
+    route) before serializing it. The route keeps `response_model=` for its OpenAPI schema."""
+    return Response(view.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 class ProgressView(BaseModel):

@@ -1,0 +1,97 @@
+"""Example `POST /v1/runs` bodies for the tutorial setups, as a user would write them.
+
+One place for them: the OpenAPI document offers them in `/docs` (the example dropdown of
+`POST /v1/runs` and `POST /v1/runs/validate`), and tests check that each one is a valid
+request. Plain dicts, so this module imports nothing of the service.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GPT2_ZERO3: dict[str, Any] = {
+    "model": "gpt2",
+    "task": "causal_lm",
+    "dataset": {"source": "fancyzhx/ag_news", "split": "train", "text_field": "text"},
+    "training": {
+        "max_steps": 200,
+        "learning_rate": 1e-5,
+        "batch_size_per_worker": 4,
+        "seq_length": 512,
+    },
+    "deepspeed": {"zero_stage": 3},
+    "resources": {"num_workers": 2},
+    "metadata": {"tutorial": "gpt2-zero3"},
+}
+
+# AutoTP: tensor_parallel_size 2 splits each layer over 2 ranks; 4 workers make
+# 2 tensor-parallel groups, so the data-parallel size is 2.
+QWEN_AUTOTP: dict[str, Any] = {
+    "model": "Qwen/Qwen2.5-0.5B",
+    "task": "causal_lm",
+    "dataset": {
+        "source": "Salesforce/wikitext",
+        "config": "wikitext-2-raw-v1",
+        "split": "train",
+        "text_field": "text",
+        "eval_split": "validation",
+    },
+    "training": {
+        "max_steps": 500,
+        "learning_rate": 2e-5,
+        "batch_size_per_worker": 4,
+        "seq_length": 1024,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 50,
+    },
+    "deepspeed": {"zero_stage": 1, "tensor_parallel_size": 2},
+    "resources": {"num_workers": 4, "use_gpu": True},
+    "checkpointing": {"every_n_steps": 100},
+    "metadata": {"tutorial": "qwen-autotp"},
+}
+
+BERT_MRPC_ZERO3: dict[str, Any] = {
+    "model": "bert-base-uncased",
+    "task": "sequence_classification",
+    "dataset": {
+        "source": "nyu-mll/glue",
+        "config": "mrpc",
+        "split": "train",
+        "eval_split": "validation",
+        "text_field": "sentence1",
+        "text_pair_field": "sentence2",
+        "label_field": "label",
+    },
+    "training": {
+        "epochs": 3,
+        "learning_rate": 2e-5,
+        "batch_size_per_worker": 16,
+        "seq_length": 128,
+        "lr_scheduler": "linear",
+    },
+    "deepspeed": {"zero_stage": 3},
+    "resources": {"num_workers": 2},
+    "metadata": {"tutorial": "bert-mrpc"},
+}
+
+# FastAPI's `openapi_examples`: name → {summary, description, value}; /docs lists them by name.
+RUN_REQUEST_EXAMPLES: dict[str, dict[str, Any]] = {
+    "gpt2-zero3": {
+        "summary": "GPT-2 with ZeRO stage 3",
+        "description": "Causal LM fine-tuning of `gpt2` on AG News, parameters, gradients "
+        "and optimizer states partitioned over 2 workers.",
+        "value": GPT2_ZERO3,
+    },
+    "qwen2.5-0.5b-autotp": {
+        "summary": "Qwen2.5-0.5B with AutoTP (tp=2, dp=2) on WikiText-2",
+        "description": "Tensor parallelism of 2 over 4 GPU workers, so two data-parallel "
+        "replicas; the hub dataset's config is named in `dataset.config`.",
+        "value": QWEN_AUTOTP,
+    },
+    "bert-mrpc-zero3": {
+        "summary": "BERT sequence classification on GLUE MRPC with ZeRO stage 3",
+        "description": "Sentence pairs (`sentence1`, `sentence2`) classified by `label`, "
+        "evaluated on the validation split.",
+        "value": BERT_MRPC_ZERO3,
+    },
+}

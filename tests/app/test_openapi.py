@@ -1,0 +1,250 @@
+"""The OpenAPI document: valid, every operation summarised with its errors, the tutorial
+examples offered in /docs, and the error shape it documents is the one clients get."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from openapi_spec_validator import validate
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import transaction
+from app.models import Run
+from app.schemas.errors import ErrorResponse
+from app.schemas.run_examples import RUN_REQUEST_EXAMPLES
+from app.schemas.run_request import RunRequest
+from app.services.run_rules import cross_field_problems
+from tests.factories import run_request
+
+_METHODS = ("get", "put", "post", "delete", "patch", "options", "head", "trace")
+_ERROR_REF = "#/components/schemas/ErrorResponse"
+# They take no input and need no key: they always answer 200 (a degraded /healthz says so
+# in its body), so they have no error to document.
+_NO_ERRORS = {("get", "/healthz"), ("get", "/metrics")}
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: the document does not depend on the database."""
+    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+
+
+@pytest.fixture
+def document(client: TestClient) -> dict[str, Any]:
+    response = client.get("/openapi.json")
+    assert response.status_code == 200
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _operations(document: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (method, path, operation)
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+        if method in _METHODS
+    ]
+
+
+class TestDocument:
+    def test_is_a_valid_openapi_document(self, document: dict[str, Any]) -> None:
+        validate(document)  # raises on any violation of the OpenAPI 3.1 specification
+        assert document["openapi"].startswith("3.1")
+        assert document["info"]["title"] == "tuneyard"
+
+    def test_lists_every_route_of_the_contract(self, document: dict[str, Any]) -> None:
+        listed = {(method, path) for method, path, _ in _operations(document)}
+        assert {
+            ("post", "/v1/runs"),
+            ("post", "/v1/runs/validate"),
+            ("get", "/v1/runs"),
+            ("get", "/v1/runs/{run_id}"),
+            ("post", "/v1/runs/{run_id}/cancel"),
+            ("post", "/v1/runs/{run_id}/resume"),
+            ("get", "/v1/runs/{run_id}/metrics"),
+            ("get", "/v1/runs/{run_id}/checkpoints"),
+            ("get", "/v1/runs/{run_id}/events"),
+            ("get", "/v1/runs/{run_id}/logs"),
+            ("post", "/v1/files"),
+            ("get", "/healthz"),
+        } <= listed
+
+    def test_every_operation_has_a_summary(self, document: dict[str, Any]) -> None:
+        unsummarised = [
+            f"{method.upper()} {path}"
+            for method, path, operation in _operations(document)
+            if not operation.get("summary", "").strip()
+        ]
+        assert unsummarised == []
+
+    def test_every_operation_documents_its_client_errors(self, document: dict[str, Any]) -> None:
+        for method, path, operation in _operations(document):
+            statuses = set(operation["responses"])
+            if (method, path) in _NO_ERRORS:
+                assert not any(s.startswith(("4", "5")) for s in statuses), path
+                continue
+            assert any(s.startswith("4") for s in statuses), f"{method.upper()} {path}"
+
+    def test_every_error_response_has_the_error_shape(self, document: dict[str, Any]) -> None:
+        for method, path, operation in _operations(document):
+            for status, response in operation["responses"].items():
+                if status.startswith(("4", "5")):
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": _ERROR_REF}, f"{method.upper()} {path} {status}"
+                    assert response["description"], f"{method.upper()} {path} {status}"
+        # FastAPI's own 422 body (`{"detail": [{"loc": ...}]}`) is not what tuneyard sends.
+        assert "HTTPValidationError" not in document["components"]["schemas"]
+
+    def test_documents_the_errors_each_route_really_has(self, document: dict[str, Any]) -> None:
+        def statuses(method: str, path: str) -> set[str]:
+            return set(document["paths"][path][method]["responses"])
+
+        assert {"200", "201", "401", "409", "422"} <= statuses("post", "/v1/runs")
+        assert {"401", "404", "409"} <= statuses("post", "/v1/runs/{run_id}/cancel")
+        assert {"401", "404", "409"} <= statuses("post", "/v1/runs/{run_id}/resume")
+        assert {"401", "404", "503"} <= statuses("get", "/v1/runs/{run_id}/logs")
+        assert {"401", "413", "422"} <= statuses("post", "/v1/files")
+        assert {"401", "404"} <= statuses("get", "/v1/files/{file_id}")
+        assert "404" not in statuses("get", "/v1/runs")  # a list is never missing
+        for path in ("/status", "/metrics", "/checkpoints", "/events"):
+            assert {"401", "404", "409", "422"} <= statuses(
+                "post", f"/v1/internal/runs/{{run_id}}{path}"
+            )
+
+    def test_declares_the_credentials_each_route_takes(self, document: dict[str, Any]) -> None:
+        """So that /docs can send them: its "Authorize" button lists these schemes."""
+        schemes = document["components"]["securitySchemes"]
+        assert schemes["APIKey"] == {
+            "type": "http",
+            "scheme": "bearer",
+            "description": schemes["APIKey"]["description"],
+        }
+        assert schemes["RunToken"]["scheme"] == "bearer"
+        for method, path, operation in _operations(document):
+            expected = (
+                None
+                if (method, path) in _NO_ERRORS
+                else [{"RunToken": []}]
+                if path.startswith("/v1/internal/")
+                else [{"APIKey": []}]
+            )
+            assert operation.get("security") == expected, f"{method.upper()} {path}"
+
+    def test_the_run_request_schema_has_the_tutorial_examples(
+        self, document: dict[str, Any]
+    ) -> None:
+        for path in ("/v1/runs", "/v1/runs/validate"):
+            content = document["paths"][path]["post"]["requestBody"]["content"]
+            media = content["application/json"]
+            assert media["schema"]["$ref"] == "#/components/schemas/RunRequest", path
+            assert media["examples"] == RUN_REQUEST_EXAMPLES, path
+            for example in media["examples"].values():
+                assert example["summary"]
+        # Shown beside the schema too, for clients that read only schemas.
+        schema_examples = document["components"]["schemas"]["RunRequest"]["examples"]
+        assert schema_examples == [e["value"] for e in RUN_REQUEST_EXAMPLES.values()]
+
+
+class TestExamples:
+    @pytest.mark.parametrize("name", sorted(RUN_REQUEST_EXAMPLES))
+    def test_each_example_meets_the_schema_and_the_rules_between_fields(self, name: str) -> None:
+        request = RunRequest.model_validate(RUN_REQUEST_EXAMPLES[name]["value"])
+        assert cross_field_problems(request) == []
+
+    def test_the_examples_are_the_tutorial_setups(self) -> None:
+        gpt2, qwen, bert = (
+            RunRequest.model_validate(RUN_REQUEST_EXAMPLES[name]["value"])
+            for name in ("gpt2-zero3", "qwen2.5-0.5b-autotp", "bert-mrpc-zero3")
+        )
+        assert (gpt2.model, gpt2.task, gpt2.deepspeed.zero_stage) == ("gpt2", "causal_lm", 3)
+
+        assert qwen.model == "Qwen/Qwen2.5-0.5B"
+        tp, workers = qwen.deepspeed.tensor_parallel_size, qwen.resources.num_workers
+        assert (tp, workers // tp) == (2, 2)  # tp=2 x dp=2
+        assert qwen.resources.use_gpu
+        assert (qwen.dataset.source, qwen.dataset.config) == (
+            "Salesforce/wikitext",
+            "wikitext-2-raw-v1",
+        )
+
+        assert (bert.model, bert.task, bert.deepspeed.zero_stage) == (
+            "bert-base-uncased",
+            "sequence_classification",
+            3,
+        )
+        assert (bert.dataset.source, bert.dataset.config) == ("nyu-mll/glue", "mrpc")
+        assert (bert.dataset.text_field, bert.dataset.text_pair_field) == ("sentence1", "sentence2")
+        assert bert.dataset.label_field == "label"
+
+    @pytest.mark.parametrize("name", sorted(RUN_REQUEST_EXAMPLES))
+    def test_each_example_validates_offline(
+        self, client: TestClient, auth: dict[str, str], name: str
+    ) -> None:
+        """Hub ids are resolved on the cluster, so the service checks all the rest here."""
+        body = RUN_REQUEST_EXAMPLES[name]["value"]
+        report = client.post("/v1/runs/validate", json=body, headers=auth).json()
+        assert report["valid"] is True, report["errors"]
+        assert (
+            report["resolved"]["deepspeed_config"]["zero_optimization"]["stage"]
+            == (body["deepspeed"]["zero_stage"])
+        )
+
+
+class TestErrorsAsDocumented:
+    """The bodies clients really get for each documented error status have `ErrorResponse`'s
+    shape: a code and a sentence, or a list of field problems for a 422."""
+
+    def test_401_404_409_and_422(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        unauthorized = client.get("/v1/runs/run_nope")
+        assert unauthorized.status_code == 401
+        assert ErrorResponse.model_validate(unauthorized.json()).error == "unauthorized"
+
+        missing = client.get("/v1/runs/run_nope", headers=auth)
+        assert missing.status_code == 404
+        assert ErrorResponse.model_validate(missing.json()).error == "not_found"
+
+        run = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()
+        conflict = client.post(f"/v1/runs/{run['id']}/resume", headers=auth)  # still queued
+        assert conflict.status_code == 409, conflict.text
+        assert ErrorResponse.model_validate(conflict.json()).error in {
+            "conflict",
+            "invalid_transition",
+        }
+
+        invalid = client.post(
+            "/v1/runs", json=run_request(tmp_path, deepspeed={"zero_stage": 7}), headers=auth
+        )
+        assert invalid.status_code == 422
+        problems = ErrorResponse.model_validate(invalid.json()).detail
+        assert isinstance(problems, list)
+        assert problems[0].field == "deepspeed.zero_stage"
+
+    def test_503_is_json_on_a_plain_text_route(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        run = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()
+        with transaction(session_factory) as session:
+            session.get_one(Run, run["id"]).ray_submission_id = f"{run['id']}-1"
+        # This app is not attached to Ray (start_background=False).
+        response = client.get(f"/v1/runs/{run['id']}/logs", headers=auth)
+        assert response.status_code == 503
+        assert response.headers["content-type"].startswith("application/json")
+        assert ErrorResponse.model_validate(response.json()).error == "ray_unavailable"
+
+
+class TestDocs:
+    def test_swagger_ui_loads_the_document(self, client: TestClient) -> None:
+        response = client.get("/docs")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/html")
+        assert "swagger-ui" in response.text
+        assert "'/openapi.json'" in response.text or '"/openapi.json"' in response.text
