@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # install the CUDA build that matches the driver instead (`make setup TORCH=...`).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint serve clean
+.PHONY: setup demo test lint serve bench clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: lint
 
 serve: setup
 	$(BIN)/tuneyard serve
+
+# Benchmarks against the alternatives; each appends its table to BENCHMARKS.md.
+bench: setup
+	$(BIN)/python -m bench.run_all
 
 clean:
 	rm -rf $(VENV) .tuneyard .pytest_cache .mypy_cache .ruff_cache

@@ -20,7 +20,9 @@ from app.settings import Settings
 T = TypeVar("T")
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
+    # `async` only so that FastAPI calls it on the event loop: a plain `def` dependency is
+    # run in a worker thread, a trip that costs more than the lookup.
     settings: Settings = request.app.state.settings
     return settings
 
@@ -75,10 +77,15 @@ def _end_transaction(session: Session, commit: bool) -> None:
 
 
 async def run_in_read_session(request: Request, read: Callable[[Session], T]) -> T:
-    """`read(session)` in a read-only session of its own, all in one trip to a worker thread.
+    """`read(session)` in a read-only session of its own, for short reads on hot routes
+    (status polling). A read has nothing to commit: closing the session ends it, in the same
+    call, where `SessionDep` needs a trip to a worker thread of its own after the route.
 
-    For the hot read-only routes (status polling): `SessionDep` costs a second trip, after
-    the route, to end the transaction. A read has nothing to commit; closing ends it."""
+    SQLite reads run right here, on the event loop: in WAL mode a reader never waits for a
+    writer, and a lookup by key takes less time than a trip to a worker thread. Those trips,
+    and the handing of the GIL back and forth that comes with them, are what made polling's
+    tail latency (BENCHMARKS.md, status polling). Other databases are a network round trip
+    away, so their reads go to a worker thread."""
     factory: sessionmaker[Session] = request.app.state.read_session_factory
 
     def in_session() -> T:

@@ -177,7 +177,7 @@ async def get_run(run_id: str, request: Request, principal: CurrentPrincipal) ->
     # The hot path of every poller: one trip to a worker thread for the whole read, and the
     # view serialized once, there (see json_response).
     def read(session: Session) -> Response:
-        run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+        run = runs.read_run(session, run_id=run_id, owner_id=principal.id)
         return json_response(RunView.of(run, queue_position=runs.queue_position(session, run)))
 
     return await run_in_read_session(request, read)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Response
 from pydantic import BaseModel
 
-from app.models import Checkpoint, Event, Metric, Run
+from app.models import Checkpoint, Event, Metric
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -23,6 +23,45 @@ def json_response(view: BaseModel, *, status_code: int = 200) -> Response:
     response_model handling, which validates the view again (in a worker thread, for a sync
     route) before serializing it. The route keeps `response_model=` for its OpenAPI schema."""
     return Response(view.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+class RunFields(Protocol):
+    """What a run's view is made of: a `Run`, or a row of its columns (`runs.read_run`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def ray_submission_id(self) -> str | None: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+    @property
+    def spec(self) -> dict[str, Any]: ...
+    @property
+    def run_metadata(self) -> dict[str, str]: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def total_steps(self) -> int | None: ...
+    @property
+    def epoch(self) -> float | None: ...
+    @property
+    def latest_metrics(self) -> dict[str, float]: ...
+    @property
+    def error_code(self) -> str | None: ...
+    @property
+    def error_message(self) -> str | None: ...
+    @property
+    def model_path(self) -> str | None: ...
+    @property
+    def latest_checkpoint(self) -> str | None: ...
 
 
 class ProgressView(BaseModel):
@@ -62,7 +101,7 @@ class RunView(BaseModel):
     queue_position: int | None = None
 
     @classmethod
-    def of(cls, run: Run, *, queue_position: int | None = None) -> RunView:
+    def of(cls, run: RunFields, *, queue_position: int | None = None) -> RunView:
         fraction = run.step / run.total_steps if run.total_steps else None
         step_time = run.latest_metrics.get("step_time_seconds")
         eta = (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+import functools
+from typing import Any, cast
+
+from sqlalchemy import Table, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -78,6 +81,14 @@ def apply_status(session: Session, run: Run, post: StatusPost) -> None:
     )
 
 
+@functools.cache
+def _metric_insert(dialect: str) -> Any:
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    return insert(cast(Table, Metric.__table__)).on_conflict_do_nothing(
+        index_elements=["run_id", "attempt", "name", "step"]
+    )
+
+
 def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
     """Idempotent: one row per (run, attempt, name, step), whatever is posted twice."""
     rows = [
@@ -92,13 +103,9 @@ def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
         for p in post.points
     ]
     if rows:
-        insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
-        stmt = (
-            insert(Metric)
-            .values(rows)
-            .on_conflict_do_nothing(index_elements=["run_id", "attempt", "name", "step"])
-        )
-        session.execute(stmt)
+        # One statement, the rows as parameters (executemany): `.values(rows)` would build
+        # and compile a new multi-row statement for every batch, ~0.1 ms per point.
+        session.connection().execute(_metric_insert(session.get_bind().dialect.name), rows)
 
     latest_step = max((p.step for p in post.points), default=None)
     if latest_step is not None and latest_step >= run.step:
