@@ -138,26 +138,62 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the API's JSON inst
 def serve(
     host: str = typer.Option(None, help="Bind address (default 127.0.0.1)."),
     port: int = typer.Option(None, help="Port (default 8000)."),
+    workers: int = typer.Option(None, min=1, help="HTTP worker processes (default 1)."),
 ) -> None:
     """Run the service; with no TUNEYARD_RAY_ADDRESS it starts and stops a local Ray head."""
     import uvicorn
 
     from app.logs import configure_logging
-    from app.main import create_app
 
     overrides: dict[str, Any] = {
-        k: v for k, v in {"host": host, "port": port}.items() if v is not None
+        k: v for k, v in {"host": host, "port": port, "workers": workers}.items() if v is not None
     }
     settings = _settings(**overrides)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     # log_config=None: uvicorn's own loggers go through the handler configured above.
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        log_level=settings.log_level.lower(),
+    server: dict[str, Any] = {"log_config": None, "log_level": settings.log_level.lower()}
+    if settings.workers == 1:
+        from app.main import create_app
+
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **server)
+        return
+    _serve_workers(settings, server)
+
+
+def _serve_workers(settings: Settings, server: dict[str, Any]) -> None:
+    """N uvicorn worker processes on one socket. This parent prepares what they share
+    (the schema, the embedded Ray head) so they do not race for it, and stops the head
+    when they are done."""
+    import os
+
+    import uvicorn
+
+    from app.db import make_engine
+    from app.migrate import upgrade_database, wait_for_database
+    from app.ray_head import ensure_local_head, stop_local_head
+
+    make_engine(settings.resolved_database_url).dispose()  # creates a SQLite file's folder
+    wait_for_database(settings.resolved_database_url, timeout_s=settings.database_wait_s)
+    upgrade_database(settings.resolved_database_url)
+    owns_head = not settings.ray_address
+    if owns_head:
+        ensure_local_head(settings)  # the workers re-attach to it
+    # The workers are fresh interpreters that read their settings from the environment.
+    os.environ.update(
+        {f"TUNEYARD_{k.upper()}": str(getattr(settings, k)) for k in ("host", "port", "workers")}
     )
+    try:
+        uvicorn.run(
+            "app.main:create_worker_app",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            **server,
+        )
+    finally:
+        if owns_head:
+            stop_local_head(settings)
 
 
 @app.command()

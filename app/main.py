@@ -16,16 +16,22 @@ from app.errors import install_error_handlers
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
 from app.migrate import upgrade_database, wait_for_database
-from app.ray_head import ensure_local_head, forget_local_head
+from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
 from app.settings import Settings
 
 log = logging.getLogger("tuneyard")
 
 
-def create_app(settings: Settings | None = None, *, start_background: bool = True) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    start_background: bool = True,
+    owns_local_head: bool = True,
+) -> FastAPI:
     """`start_background=False` gives the HTTP layer alone (no Ray, no dispatcher): for tests
-    of the API and for tools that only read."""
+    of the API and for tools that only read. `owns_local_head=False`: one of several worker
+    processes of `serve --workers N`; the parent process stops the embedded head."""
     settings = settings or Settings()
     engine = make_engine(settings.resolved_database_url)
     read_engine = make_read_engine(settings.resolved_database_url, engine)
@@ -68,10 +74,9 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
         finally:
             if start_background:
                 app.state.dispatcher.stop()
-            if head is not None:
+            if head is not None and owns_local_head:
                 # A clean shutdown stops the head; after a crash it lives on to be re-attached.
-                head.stop()
-                forget_local_head(settings)
+                stop_local_head(settings)
             engine.dispose()
             read_engine.dispose()
 
@@ -96,3 +101,13 @@ def create_app(settings: Settings | None = None, *, start_background: bool = Tru
     app.include_router(health.router)
     app.include_router(prometheus.router)
     return app
+
+
+def create_worker_app() -> FastAPI:
+    """The app in each worker process of `tuneyard serve --workers N` (uvicorn's factory):
+    settings from the environment, like the parent's."""
+    from app.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(fmt=settings.log_format, level=settings.log_level)
+    return create_app(settings, owns_local_head=False)

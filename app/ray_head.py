@@ -9,6 +9,7 @@ starting a second one, and two services with different homes never collide.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -76,8 +77,25 @@ def configure_ray_auth(settings: Settings) -> Path:
 
 
 def ensure_local_head(settings: Settings) -> LocalRayHead:
-    """Re-attach to this home's running head, or start a new one."""
+    """Re-attach to this home's running head, or start a new one.
+
+    Several processes may ask at once (the workers of `serve --workers N`, each reviving a
+    head that died): a lock on the home's Ray folder lets exactly one of them start it."""
     configure_ray_auth(settings)
+    with open(settings.ray_state_dir / "head.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _attach_or_start(settings)
+
+
+def stop_local_head(settings: Settings) -> None:
+    """Stop this home's head, whichever process started it last."""
+    state_file = settings.ray_state_dir / "head.json"
+    if state_file.exists():
+        LocalRayHead(**json.loads(state_file.read_text())).stop()
+    forget_local_head(settings)
+
+
+def _attach_or_start(settings: Settings) -> LocalRayHead:
     state_file = settings.ray_state_dir / "head.json"
     if state_file.exists():
         head = LocalRayHead(**json.loads(state_file.read_text()))

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # HTTP worker processes of `serve`. One process is bound to one core by the GIL; with
+    # many pollers give it one per core. Each runs a dispatcher too (claims are
+    # compare-and-set, so they never double-submit).
+    workers: int = Field(default=1, ge=1)
 
     # A database still starting (a fresh container) gets this long to answer at start-up.
     database_wait_s: float = Field(default=60.0, ge=0)

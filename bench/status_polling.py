@@ -14,6 +14,7 @@ import contextlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import median, record
 from bench.loadgen import WrkResult, ensure_wrk, run_wrk
@@ -40,6 +41,16 @@ class Round:
     cpu_ms_per_request: float
 
 
+def service_processes(parent: Any) -> list[Any]:
+    """`serve` and its HTTP worker processes, not the Ray head it also started."""
+    workers = [
+        child
+        for child in parent.children()
+        if any("spawn_main" in part for part in child.cmdline())
+    ]
+    return [parent, *workers]
+
+
 def measure(
     service: BenchService, run_id: str, submission_id: str, *, rounds: int, duration_s: float
 ) -> dict[str, list[Round]]:
@@ -49,7 +60,7 @@ def measure(
         "tuneyard GET /v1/runs/{id}": (
             f"{service.base_url}/v1/runs/{run_id}",
             {"Authorization": f"Bearer {service.api_key}"},
-            [psutil.Process(service.proc.pid)],
+            service_processes(psutil.Process(service.proc.pid)),
         ),
         "Ray GET /api/jobs/{submission_id}": (
             f"{service.ray_dashboard_url}/api/jobs/{submission_id}",
@@ -82,6 +93,12 @@ def main() -> None:
     )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     parser.add_argument("--title", default="Status polling (benchmark 1)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="TUNEYARD_WORKERS of the service: HTTP processes, one per core here",
+    )
     args = parser.parse_args()
     ensure_wrk()
 
@@ -92,7 +109,12 @@ def main() -> None:
         )
         assets = build_tiny_assets(root / "assets")
         service = stack.enter_context(
-            running_service(root / "home", allowed_roots=[assets.root], database_url=database_url)
+            running_service(
+                root / "home",
+                allowed_roots=[assets.root],
+                database_url=database_url,
+                env={"TUNEYARD_WORKERS": str(args.workers)},
+            )
         )
         # A real job, finished, so neither side's answer changes while it is measured.
         run = service.submit(tiny_run_body(assets, max_steps=2))
@@ -103,7 +125,14 @@ def main() -> None:
             service, run["id"], submission_id, rounds=args.rounds, duration_s=args.duration
         )
     database = "PostgreSQL" if args.postgres else "SQLite"
-    report(args.title, results, rounds=args.rounds, duration_s=args.duration, database=database)
+    report(
+        args.title,
+        results,
+        rounds=args.rounds,
+        duration_s=args.duration,
+        database=database,
+        workers=args.workers,
+    )
 
 
 def report(
@@ -113,6 +142,7 @@ def report(
     rounds: int,
     duration_s: float,
     database: str = "SQLite",
+    workers: int = 1,
 ) -> None:
     (ours_name, ours), (ray_name, ray) = results.items()
     rows: list[dict[str, object]] = []
@@ -139,9 +169,10 @@ def report(
     notes = [
         f"wrk, {CONNECTIONS} connections, 2 threads, {rounds} rounds of {duration_s:.0f} s per "
         "side, alternating; medians of the rounds. wrk runs on the same 2 cores as the "
-        f"service and Ray. The service's database: {database}.",
+        f"service and Ray. The service: `tuneyard serve` with {workers} HTTP worker "
+        f"process(es) (TUNEYARD_WORKERS), database {database}.",
         "server CPU ms/request: user + system CPU time of the server's processes during the "
-        "round over the requests served (tuneyard: the service process; Ray: every process "
+        "round over the requests served (tuneyard: the service's processes; Ray: every process "
         "of its head, whose idle work is included).",
         f"{ours_name} / {ray_name}: {ratio:.2f}x the requests/s (median of per-round "
         f"ratios); Ray uses {cpu_ratio:.2f}x the CPU per request.",
