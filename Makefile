@@ -21,8 +21,8 @@ demo: setup
 	$(BIN)/tuneyard demo
 
 lint: setup
-	$(BIN)/ruff check app worker tests
-	$(BIN)/ruff format --check app worker tests
+	$(BIN)/ruff check app worker tests bench
+	$(BIN)/ruff format --check app worker tests bench
 	$(BIN)/mypy app worker
 
 test: lint
