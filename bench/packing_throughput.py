@@ -14,10 +14,8 @@ Ray job. A third row shows tuneyard without packing (it pads each batch to its l
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +26,8 @@ from bench.training import (
     bench_home,
     build_model,
     metric_rows,
-    run_ray_job,
     run_tuneyard,
+    run_tutorial,
     step_intervals,
     write_jsonl,
 )
@@ -106,28 +104,6 @@ def tuneyard_side(
     }
 
 
-def tutorial_side(
-    service: BenchService, *, model: Path, data: Path, steps: int, index: int
-) -> dict[str, list[float]]:
-    out = service.home / f"tutorial-{index}.json"
-    args = [
-        "python",
-        "-m",
-        "bench.tutorial_baseline",
-        f"--model={model}",
-        f"--data={data}",
-        f"--out={out}",
-        f"--storage={service.home / 'tutorial-storage'}",
-        f"--steps={steps}",
-        f"--batch-size={BATCH_SIZE}",
-        f"--seq-length={SEQ_LENGTH}",
-        "--zero-stage=2",
-    ]
-    run_ray_job(service, shlex.join(args), name=f"tutorial-{index}")
-    result: dict[str, list[float]] = json.loads(out.read_text())
-    return result
-
-
 def steady_rate(result: dict[str, list[float]], clock: str = "step_times") -> float:
     """Non-padding tokens per second (wall-clock, or rank 0's CPU time with "cpu_times")
     over the steps after the warm-up."""
@@ -158,8 +134,14 @@ def main() -> None:
                 # Rotate the order, so drift on a shared machine hits every side.
                 for side in sides[i % 3 :] + sides[: i % 3]:
                     if side == "tutorial":
-                        result = tutorial_side(
-                            service, model=model, data=data, steps=args.steps, index=i
+                        result = run_tutorial(
+                            service,
+                            model=model,
+                            data=data,
+                            steps=args.steps,
+                            index=i,
+                            batch_size=BATCH_SIZE,
+                            seq_length=SEQ_LENGTH,
                         )
                     else:
                         result = tuneyard_side(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import shlex
 import tempfile
 import time
 from collections.abc import Iterator
@@ -108,6 +109,37 @@ def step_intervals(service: BenchService, run_id: str) -> list[float]:
     if steps != list(range(1, len(steps) + 1)):
         raise RuntimeError(f"run {run_id}: expected a metric for every step, got steps {steps}")
     return [rows[0]["value"]] + [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
+
+
+def run_tutorial(
+    service: BenchService,
+    *,
+    model: Path,
+    data: Path,
+    steps: int,
+    index: int,
+    batch_size: int,
+    seq_length: int,
+) -> dict[str, list[float]]:
+    """The tutorial-style script (bench/tutorial_baseline.py) as a plain Ray job on the
+    service's head, ZeRO-2; what it measured, from the JSON it writes."""
+    out = service.home / f"tutorial-{index}.json"
+    args = [
+        "python",
+        "-m",
+        "bench.tutorial_baseline",
+        f"--model={model}",
+        f"--data={data}",
+        f"--out={out}",
+        f"--storage={service.home / 'tutorial-storage'}",
+        f"--steps={steps}",
+        f"--batch-size={batch_size}",
+        f"--seq-length={seq_length}",
+        "--zero-stage=2",
+    ]
+    run_ray_job(service, shlex.join(args), name=f"tutorial-{index}")
+    result: dict[str, list[float]] = json.loads(out.read_text())
+    return result
 
 
 def steady(values: list[float]) -> list[float]:

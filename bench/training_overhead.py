@@ -14,8 +14,6 @@ between consecutive step ends on rank 0, after WARMUP_STEPS; repetitions alterna
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +24,8 @@ from bench.training import (
     bench_home,
     build_model,
     metric_rows,
-    run_ray_job,
     run_tuneyard,
+    run_tutorial,
     steady,
     step_intervals,
     write_jsonl,
@@ -85,28 +83,6 @@ def tuneyard_side(
     }
 
 
-def tutorial_side(
-    service: BenchService, *, model: Path, data: Path, steps: int, index: int
-) -> dict[str, list[float]]:
-    out = service.home / f"tutorial-{index}.json"
-    args = [
-        "python",
-        "-m",
-        "bench.tutorial_baseline",
-        f"--model={model}",
-        f"--data={data}",
-        f"--out={out}",
-        f"--storage={service.home / 'tutorial-storage'}",
-        f"--steps={steps}",
-        f"--batch-size={BATCH_SIZE}",
-        f"--seq-length={SEQ_LENGTH}",
-        "--zero-stage=2",
-    ]
-    run_ray_job(service, shlex.join(args), name=f"tutorial-{index}")
-    result: dict[str, list[float]] = json.loads(out.read_text())
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -125,8 +101,14 @@ def main() -> None:
                 order = ("tutorial", "tuneyard") if i % 2 == 0 else ("tuneyard", "tutorial")
                 for side in order:
                     if side == "tutorial":
-                        result = tutorial_side(
-                            service, model=model, data=data, steps=args.steps, index=i
+                        result = run_tutorial(
+                            service,
+                            model=model,
+                            data=data,
+                            steps=args.steps,
+                            index=i,
+                            batch_size=BATCH_SIZE,
+                            seq_length=SEQ_LENGTH,
                         )
                     else:
                         result = tuneyard_side(service, model=model, data=data, steps=args.steps)
