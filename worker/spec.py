@@ -42,6 +42,7 @@ class TrainingSpec:
     lr_scheduler: str = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.01
+    decay_bias_and_norm: bool = False
     max_grad_norm: float = 1.0
     seed: int = 42
     packing: bool = False

@@ -73,6 +73,12 @@ class TrainingSpec(BaseModel):
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.01, ge=0)
+    decay_bias_and_norm: bool = Field(
+        default=False,
+        description="Apply weight_decay to biases and norm weights too. Off by default, as "
+        "in Hugging Face's Trainer; on gives one optimizer parameter group, as DeepSpeed's "
+        "config-defined optimizer does.",
+    )
     max_grad_norm: float = Field(default=1.0, ge=0)
     seed: int = Field(default=42, ge=0)
     packing: bool = False
