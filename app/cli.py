@@ -19,6 +19,13 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
+from app.cli_render import (
+    checkpoints_table,
+    print_run,
+    problems_table,
+    runs_table,
+    watch_run,
+)
 from app.client import TERMINAL, ApiError, TuneyardClient, Unreachable
 from app.settings import Settings
 
@@ -74,8 +81,6 @@ def _client(ctx: typer.Context) -> Iterator[TuneyardClient]:
 
 def _report(exc: ApiError) -> ExitCode:
     if exc.status_code == 422 and isinstance(exc.detail, list):
-        from app.cli_render import problems_table
-
         err.print(problems_table(exc.detail))
     else:
         err.print(f"[red]error ({exc.status_code} {exc.error}):[/] {exc.detail}")
@@ -120,8 +125,6 @@ def _print_json(value: Any) -> None:
 
 
 def _ended(run: dict[str, Any]) -> ExitCode:
-    from app.cli_render import print_run
-
     print_run(out, run)
     return {
         "succeeded": ExitCode.OK,
@@ -215,8 +218,6 @@ def submit(
         else:
             out.print(run["id"])
         if watch:
-            from app.cli_render import watch_run
-
             raise typer.Exit(_ended(watch_run(client, run["id"], err)))
 
 
@@ -236,8 +237,6 @@ def validate(ctx: typer.Context, spec: SpecArg, as_json: JsonOpt = False) -> Non
         out.print("[green]valid[/]")
         _print_json({"resolved": resolved, "estimate": estimate})
     else:
-        from app.cli_render import problems_table
-
         err.print(problems_table(report["errors"]))
     raise typer.Exit(ExitCode.OK if report["valid"] else ExitCode.REFUSED)
 
@@ -265,8 +264,6 @@ def list_runs(
     if as_json:
         _print_json(runs)
     else:
-        from app.cli_render import runs_table
-
         out.print(runs_table(runs))
 
 
@@ -278,8 +275,6 @@ def status(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) -> No
     if as_json:
         _print_json(run)
     else:
-        from app.cli_render import print_run
-
         print_run(out, run)
 
 
@@ -293,8 +288,6 @@ def watch(
 
     Shows step, loss, tokens/s and ETA, and the run's events as they happen.
     """
-    from app.cli_render import watch_run
-
     with _client(ctx) as client:
         run = watch_run(client, run_id, err, interval_s=interval)
     raise typer.Exit(_ended(run))
@@ -359,8 +352,6 @@ def checkpoints(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) 
     if as_json:
         _print_json(data)
     else:
-        from app.cli_render import checkpoints_table
-
         out.print(checkpoints_table(data))
 
 
