@@ -172,12 +172,11 @@ def _serve_workers(settings: Settings, server: dict[str, Any]) -> None:
     import uvicorn
 
     from app.db import make_engine
-    from app.migrate import upgrade_database, wait_for_database
+    from app.migrate import prepare_database
     from app.ray_head import ensure_local_head, stop_local_head
 
     make_engine(settings.resolved_database_url).dispose()  # creates a SQLite file's folder
-    wait_for_database(settings.resolved_database_url, timeout_s=settings.database_wait_s)
-    upgrade_database(settings.resolved_database_url)
+    prepare_database(settings.resolved_database_url, wait_s=settings.database_wait_s)
     owns_head = not settings.ray_address
     if owns_head:
         ensure_local_head(settings)  # the workers re-attach to it
@@ -358,17 +357,9 @@ def checkpoints(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) 
 @keys_app.command("create")
 def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for.")) -> None:
     """Create an API key in the service's database and print it (it is shown only once)."""
-    from app.db import make_engine, make_session_factory, transaction
-    from app.migrate import upgrade_database
-    from app.services.api_keys import create_api_key
+    from app.services.api_keys import issue_api_key
 
-    settings = _settings()
-    upgrade_database(settings.resolved_database_url)
-    engine = make_engine(settings.resolved_database_url)
-    with transaction(make_session_factory(engine)) as session:
-        _, secret = create_api_key(session, name=name)
-    engine.dispose()
-    typer.echo(secret)
+    typer.echo(issue_api_key(_settings().resolved_database_url, name=name))
 
 
 @app.command()

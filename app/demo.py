@@ -16,6 +16,7 @@ from rich.console import Console
 
 from app.cli_render import watch_run
 from app.client import ApiError, TuneyardClient
+from app.services.api_keys import issue_api_key
 from app.settings import DEMO_DIRNAME, Settings
 
 console = Console(soft_wrap=True)  # paths stay on one line, copyable
@@ -32,7 +33,7 @@ def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
     else:
         model_dir, data_file = _build_assets(settings.home_dir / DEMO_DIRNAME)
         model, dataset = str(model_dir), {"source": str(data_file), "text_field": "text"}
-    api_key = _create_key(settings)
+    api_key = issue_api_key(settings.resolved_database_url, name="demo")
     port = port or _free_port()
     base = f"http://127.0.0.1:{port}"
 
@@ -70,19 +71,6 @@ def _build_assets(demo_dir: Path) -> tuple[Path, Path]:
     if not data_file.exists():
         write_jsonl_dataset(data_file, rows=2000)
     return model_dir, data_file
-
-
-def _create_key(settings: Settings) -> str:
-    from app.db import make_engine, make_session_factory, transaction
-    from app.migrate import upgrade_database
-    from app.services.api_keys import create_api_key
-
-    upgrade_database(settings.resolved_database_url)
-    engine = make_engine(settings.resolved_database_url)
-    with transaction(make_session_factory(engine)) as session:
-        _, secret = create_api_key(session, name="demo")
-    engine.dispose()
-    return secret
 
 
 def _wait_ready(client: TuneyardClient, server: subprocess.Popen[bytes], log_path: Path) -> None:

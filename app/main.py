@@ -15,7 +15,7 @@ from app.dispatch import Dispatcher
 from app.errors import install_error_handlers
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
-from app.migrate import upgrade_database, wait_for_database
+from app.migrate import prepare_database
 from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
 from app.settings import Settings
@@ -38,8 +38,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        wait_for_database(settings.resolved_database_url, timeout_s=settings.database_wait_s)
-        upgrade_database(settings.resolved_database_url)
+        prepare_database(settings.resolved_database_url, wait_s=settings.database_wait_s)
         settings.resolved_storage_path.mkdir(parents=True, exist_ok=True)
         head = None
         if start_background:

@@ -36,6 +36,13 @@ def upgrade_database(database_url: str) -> None:
     command.upgrade(alembic_config(database_url), "head")
 
 
+def prepare_database(database_url: str, *, wait_s: float) -> None:
+    """What start-up does before serving: wait for the database, then bring its schema to
+    head."""
+    wait_for_database(database_url, timeout_s=wait_s)
+    upgrade_database(database_url)
+
+
 def wait_for_database(database_url: str, *, timeout_s: float) -> None:
     """A database that is still starting (a fresh container, a failover) gets `timeout_s`
     to answer before the service gives up, so start-up order does not matter."""
