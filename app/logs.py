@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from contextvars import ContextVar
 from typing import Any, Literal
 
 from pythonjsonlogger.json import JsonFormatter
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 current_run_id: ContextVar[str | None] = ContextVar("tuneyard_run_id", default=None)
 
@@ -68,24 +69,13 @@ class _RunAdapter(logging.LoggerAdapter[logging.Logger]):
         return msg, kwargs
 
 
-ASGIApp = Callable[
-    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-    Awaitable[None],
-]
-
-
 class RunIdMiddleware:
     """Puts the run id from the path into the logging context for the whole request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[Any]],
-        send: Callable[[Any], Awaitable[None]],
-    ) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _RUN_PATH.match(scope.get("path", "")) if scope["type"] == "http" else None
         if match is None:
             await self.app(scope, receive, send)
