@@ -61,7 +61,7 @@ def restore_checkpoint(engine: Any, spec: RunSpec) -> int:
                 )
         _, client_state = engine.load_checkpoint(folder)
     step = int(client_state["step"])
-    log.info("run %s: resumed from step %d", spec.run_id, step)
+    log.info("resumed from step %d", step)
     return step
 
 
@@ -109,7 +109,7 @@ def export_hf_model(
             {**{k: v.cpu() for k, v in probe.items()}, "logits": engine_logits},
             export_check_path(spec),
         )
-        log.info("run %s: exported model to %s (max |logit diff| %.3g)", spec.run_id, out, max_diff)
+        log.info("exported model to %s (max |logit diff| %.3g)", out, max_diff)
     return Export(path=str(out), max_diff=max_diff)
 
 

@@ -49,15 +49,14 @@ class ServiceClient:
                     if not response.is_success:
                         # 3xx/4xx will not get better by retrying (e.g. the run ended).
                         log.warning(
-                            "run %s: service refused %s: %s %s",
-                            self.run_id,
+                            "service refused %s: %s %s",
                             path,
                             response.status_code,
                             response.text[:300],
                         )
                     return True
             except httpx.HTTPError as exc:
-                log.warning("run %s: posting %s failed: %s", self.run_id, path, exc)
+                log.warning("posting %s failed: %s", path, exc)
             if i < attempts - 1:
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -159,4 +158,4 @@ class MetricsSender:
             if self._send_pending(attempts=1):
                 return
             time.sleep(1.0)
-        log.warning("run %s: %d metric points undelivered", self._client.run_id, len(self._buffer))
+        log.warning("%d metric points undelivered", len(self._buffer))

@@ -70,7 +70,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
         sinks.client.event(
             "resumed", f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
         )
-    log.info("run %s rank %d: training steps %d..%d", spec.run_id, rank, step, plan.total_steps)
+    log.info("training steps %d..%d", step, plan.total_steps)
 
     def run_eval(at: int) -> None:
         if data.eval is not None:

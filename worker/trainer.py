@@ -50,8 +50,11 @@ class CheckpointRecorder(UserCallback):
     ) -> None:
         if checkpoint is None:
             return
+        from worker.logs import configure_worker_logging
         from worker.service_client import ServiceClient
 
+        # The controller is a process of its own: its log lines name the run too.
+        configure_worker_logging(run_id=self.run_id, attempt=self.attempt)
         rank0 = metrics[0] if metrics else {}
         client = ServiceClient(
             base_url=os.environ[CALLBACK_URL_ENV],
