@@ -25,6 +25,7 @@ ORDER = [
     "status_polling",
     "dispatch_latency",
     "training_overhead",
+    "step_overhead",
     "packing_throughput",
     "metric_ingest",
     "memory_estimate",

@@ -62,8 +62,10 @@ class BenchService:
             time.sleep(poll_s)
         raise TimeoutError(f"run {run_id} not {statuses} after {timeout_s}s: {run}")
 
-    def wait_terminal(self, run_id: str, *, timeout_s: float = 600) -> dict[str, Any]:
-        return self.wait_for(run_id, TERMINAL, timeout_s=timeout_s)
+    def wait_terminal(
+        self, run_id: str, *, timeout_s: float = 600, poll_s: float = 0.2
+    ) -> dict[str, Any]:
+        return self.wait_for(run_id, TERMINAL, timeout_s=timeout_s, poll_s=poll_s)
 
     def ray_processes(self) -> list[Any]:
         """Every process of the local Ray head (they share its process group)."""

@@ -89,7 +89,9 @@ def metric_rows(service: BenchService, run_id: str, name: str) -> list[dict[str,
 def run_tuneyard(service: BenchService, body: dict[str, Any]) -> dict[str, Any]:
     """Submit a run over HTTP, wait for it, and fail loudly unless it succeeded."""
     run = service.submit(body)
-    final = service.wait_terminal(run["id"], timeout_s=600)
+    # Once a second, as `run_ray_job` polls Ray for the other side: the benchmark's own
+    # polling takes CPU from the training on small machines, and must take the same on both.
+    final = service.wait_terminal(run["id"], timeout_s=600, poll_s=1.0)
     if final["status"] != "succeeded":
         logs = service.http.get(f"/v1/runs/{run['id']}/logs", params={"tail": 60}).text
         raise RuntimeError(f"run {run['id']} ended {final['status']}: {final['error']}\n{logs}")

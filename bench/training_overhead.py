@@ -54,10 +54,9 @@ def check_all_full(model: Path, texts: list[str]) -> None:
         raise RuntimeError(f"a text has {shortest} tokens, fewer than seq_length {SEQ_LENGTH}")
 
 
-def tuneyard_side(
-    service: BenchService, *, model: Path, data: Path, steps: int
-) -> dict[str, list[float]]:
-    body: dict[str, Any] = {
+def tuneyard_request(*, model: Path, data: Path, steps: int) -> dict[str, Any]:
+    """The run request for tuneyard's side: the tutorial's configuration."""
+    return {
         "model": str(model),
         "dataset": {"source": str(data), "text_field": "text"},
         "training": {
@@ -75,7 +74,12 @@ def tuneyard_side(
         "resources": {"num_workers": 2},
         "checkpointing": {"export_hf": False},
     }
-    run = run_tuneyard(service, body)
+
+
+def tuneyard_side(
+    service: BenchService, *, model: Path, data: Path, steps: int
+) -> dict[str, list[float]]:
+    run = run_tuneyard(service, tuneyard_request(model=model, data=data, steps=steps))
     inner = [r["value"] for r in metric_rows(service, run["id"], "step_time_seconds")]
     # Logged from step 2 on (it needs the previous step's mark): step 1 repeats step 2's.
     cpu = [r["value"] for r in metric_rows(service, run["id"], "cpu_seconds_per_step")]

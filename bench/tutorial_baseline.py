@@ -48,20 +48,9 @@ def deepspeed_config(*, batch_size: int, num_workers: int, zero_stage: int, lr: 
     }
 
 
-def train_func(config: dict[str, Any]) -> None:
-    import deepspeed
-    import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
+def tutorial_dataset(tokenizer: Any, data: str, seq_length: int) -> Any:
+    """The tutorial's preprocessing: every sample padded to seq_length, as torch tensors."""
     from datasets import load_dataset
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-
-    set_seed(config["seed"])
-    seq_length = config["seq_length"]
-    tokenizer = AutoTokenizer.from_pretrained(config["model"])
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
 
     def tokenize(batch: dict[str, list[str]]) -> dict[str, Any]:
         encoded = tokenizer(
@@ -74,11 +63,26 @@ def train_func(config: dict[str, Any]) -> None:
         ]
         return dict(encoded)
 
-    dataset = load_dataset("json", data_files=config["data"], split="train")
+    dataset = load_dataset("json", data_files=data, split="train")
     dataset = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names)
     dataset.set_format("torch")
-    loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=True, drop_last=True)
-    loader = ray.train.torch.prepare_data_loader(loader)
+    return dataset
+
+
+def tutorial_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tutorial_engine(config: dict[str, Any]) -> Any:
+    """`deepspeed.initialize` on the model, with the optimizer named in the config (or, with
+    `client_optimizer`, tuneyard's two parameter groups passed in)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(config["model"])
     ds_config = deepspeed_config(
@@ -103,6 +107,30 @@ def train_func(config: dict[str, Any]) -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config
     )
+    return engine
+
+
+def tutorial_step(engine: Any, batch: dict[str, Any]) -> Any:
+    """The tutorial's training step."""
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def train_func(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from transformers import set_seed
+
+    set_seed(config["seed"])
+    tokenizer = tutorial_tokenizer(config["model"])
+    dataset = tutorial_dataset(tokenizer, config["data"], config["seq_length"])
+    loader = DataLoader(dataset, batch_size=config["batch_size"], shuffle=True, drop_last=True)
+    loader = ray.train.torch.prepare_data_loader(loader)
+    engine = tutorial_engine(config)
 
     step_times: list[float] = []
     cpu_times: list[float] = []
@@ -114,9 +142,7 @@ def train_func(config: dict[str, Any]) -> None:
         if hasattr(loader, "sampler") and hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         for batch in loader:
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
+            loss = tutorial_step(engine, batch)
             now, now_cpu = time.perf_counter(), time.process_time()
             step_times.append(now - last)
             cpu_times.append(now_cpu - last_cpu)

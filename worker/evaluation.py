@@ -12,7 +12,10 @@ from typing import Any
 from worker.data import IGNORE_INDEX
 
 
-def evaluate(engine: Any, loader: Any, *, task: str, num_labels: int) -> dict[str, float]:
+def evaluate(
+    engine: Any, loader: Any, *, task: str, num_labels: int, group: Any = None
+) -> dict[str, float]:
+    """`group`: the process group to sum over (worker.host_group's); None is the default."""
     import torch
     import torch.distributed as dist
 
@@ -47,7 +50,7 @@ def evaluate(engine: Any, loader: Any, *, task: str, num_labels: int) -> dict[st
     if dist.is_initialized():
         # Under AutoTP each batch is counted once per TP rank; every metric below is a
         # ratio of these sums, so the repetition cancels out.
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     loss = float(totals[0]) / max(float(totals[1]), 1.0)
     if task != "sequence_classification":
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_report_checkpoint
+from worker.host_group import host_group
 from worker.logs import configure_worker_logging
 from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
 
@@ -24,7 +25,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = RunSpec.from_dict(config["spec"])
     rank = ray.train.get_context().get_world_rank()
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
-    sinks = _MetricSinks(spec, rank=rank)
+    sinks = MetricSinks(spec, rank=rank)
     # With "engine_ready" below: when each start-up stage ended, as events on the service's
     # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
     sinks.event("worker_started", f"training workers started ({spec.resources.num_workers})")
@@ -36,21 +37,32 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             dist.barrier()
 
 
-def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
-    setup_started = time.perf_counter()
+@dataclass(slots=True)
+class Training:
+    """One rank's engine and what feeds it."""
+
+    engine: Any
+    tokenizer: Any
+    data: Any  # worker.model_setup.Data
+    plan: StepPlan
+    device: Any
+
+
+def build_training(spec: RunSpec, *, rank: int) -> Training:
+    """Tokenizer, data, model, optimizer, scheduler and the DeepSpeed engine, as a run
+    trains with them (bench/step_overhead.py builds the same to time the step alone)."""
     import deepspeed
     import torch
     from transformers import set_seed
 
     from worker.deepspeed_config import resolve_deepspeed_config
-    from worker.evaluation import evaluate
     from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
 
     set_seed(spec.training.seed)
     device = _device(spec)
     tokenizer = load_tokenizer(spec)
     data = build_data(spec, tokenizer, rank=rank)
-    plan = _StepPlan(spec, micro_batches_per_epoch=len(data.train))
+    plan = StepPlan(spec, micro_batches_per_epoch=len(data.train))
     model = build_model(spec, tokenizer, data.labels)
     optimizer, scheduler = build_optimizer(spec, model, total_steps=plan.total_steps)
     bf16_ok = bool(spec.resources.use_gpu and torch.cuda.is_bf16_supported())
@@ -59,6 +71,20 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=resolve_deepspeed_config(spec, bf16_supported=bf16_ok),
+    )
+    return Training(engine=engine, tokenizer=tokenizer, data=data, plan=plan, device=device)
+
+
+def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
+    from worker.evaluation import evaluate
+
+    setup_started = time.perf_counter()
+    training = build_training(spec, rank=rank)
+    engine, tokenizer, data, plan = (
+        training.engine,
+        training.tokenizer,
+        training.data,
+        training.plan,
     )
     sinks.event(
         "engine_ready",
@@ -75,7 +101,11 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
     def run_eval(at: int) -> None:
         if data.eval is not None:
             metrics = evaluate(
-                engine, data.eval, task=spec.task, num_labels=len(data.labels or []) or 1
+                engine,
+                data.eval,
+                task=spec.task,
+                num_labels=len(data.labels or []) or 1,
+                group=sinks.group,
             )
             sinks.log_eval(metrics, step=at)
 
@@ -83,15 +113,9 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
     tr = spec.training
     while step < plan.total_steps:
         started = time.perf_counter()
-        loss_sum, tokens, samples = torch.zeros((), device=device), 0, 0
-        for _ in range(tr.gradient_accumulation_steps):
-            batch = {k: v.to(device) for k, v in next(batches).items()}
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()
-            tokens += int(batch["attention_mask"].sum())
-            samples += batch["input_ids"].shape[0]
+        loss_sum, tokens, samples = train_step(
+            engine, batches, accum=tr.gradient_accumulation_steps, device=training.device
+        )
         step += 1
         if step % tr.log_every_n_steps == 0 or step == plan.total_steps:
             sinks.log_step(
@@ -131,6 +155,25 @@ def _train(spec: RunSpec, *, rank: int, sinks: _MetricSinks) -> None:
             )
 
 
+def train_step(
+    engine: Any, batches: Iterator[dict[str, Any]], *, accum: int, device: Any
+) -> tuple[Any, int, int]:
+    """One optimizer step of `accum` micro-batches: their summed loss (a tensor, so no
+    sync here), and the tokens and samples they held."""
+    import torch
+
+    loss_sum, tokens, samples = torch.zeros((), device=device), 0, 0
+    for _ in range(accum):
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach().float()
+        tokens += int(batch["attention_mask"].sum())
+        samples += batch["input_ids"].shape[0]
+    return loss_sum, tokens, samples
+
+
 def _device(spec: RunSpec) -> Any:
     import torch
 
@@ -141,7 +184,7 @@ def _device(spec: RunSpec) -> Any:
     return torch.device("cpu")
 
 
-class _StepPlan:
+class StepPlan:
     """Maps optimizer steps to epochs and data positions, so a resume continues exactly."""
 
     def __init__(self, spec: RunSpec, *, micro_batches_per_epoch: int) -> None:
@@ -173,7 +216,7 @@ class _StepPlan:
             epoch += 1
 
 
-class _MetricSinks:
+class MetricSinks:
     """Rank 0 sends metrics to the service; every rank joins the reductions they need.
 
     A step's reduction runs in the background while the next step trains, and its metrics
@@ -187,6 +230,8 @@ class _MetricSinks:
         from worker.service_client import MetricsSender, ServiceClient
 
         self.spec = spec
+        # Made here because every rank builds its sinks at the same point (a collective).
+        self.group = host_group()
         self._latest: dict[str, float] = {}
         self.client: ServiceClient | None = None
         self.sender: MetricsSender | None = None
@@ -256,7 +301,7 @@ class _MetricSinks:
         self._complete_pending()
         work, world = None, 1
         if dist.is_initialized():
-            work = dist.all_reduce(totals, op=dist.ReduceOp.SUM, async_op=True)
+            work = dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             world = dist.get_world_size()
         self._pending = _PendingStep(
             work=work,

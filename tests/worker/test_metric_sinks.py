@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from worker.spec import RunSpec
-from worker.train_loop import _MetricSinks
+from worker.train_loop import MetricSinks
 
 
 class _Engine:
@@ -21,7 +21,7 @@ class _Engine:
         return 2.0
 
 
-def _sinks() -> _MetricSinks:
+def _sinks() -> MetricSinks:
     spec = RunSpec.from_dict(
         {
             "run_id": "run_x",
@@ -32,10 +32,10 @@ def _sinks() -> _MetricSinks:
             "training": {"max_steps": 3},
         }
     )
-    return _MetricSinks(spec, rank=1)  # rank 1: no service client
+    return MetricSinks(spec, rank=1)  # rank 1: no service client
 
 
-def _log(sinks: _MetricSinks, engine: Any, *, step: int, loss: float) -> None:
+def _log(sinks: MetricSinks, engine: Any, *, step: int, loss: float) -> None:
     sinks.log_step(
         engine,
         step=step,
@@ -70,3 +70,60 @@ def test_eval_metrics_join_the_completed_step() -> None:
     assert sinks.latest["loss"] == 3.0
     assert sinks.latest["eval_loss"] == 1.5
     sinks.close()
+
+
+def _rank_reduces_beside_training(rank: int, port: int, out: str) -> None:
+    """Rank 1 has a training collective in flight on the default group when the step's
+    metrics are reduced; rank 0 joins that collective only after reading its metrics."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=20),
+    )
+    try:
+        sinks = _sinks()
+        gradients = torch.full((1000,), float(rank + 1))
+        training = None
+        if rank == 1:
+            training = dist.all_reduce(gradients, async_op=True)
+        _log(sinks, _Engine(), step=1, loss=2.0 + 2 * rank)
+        latest = sinks.latest
+        if rank == 0:
+            dist.all_reduce(gradients)
+        else:
+            assert training is not None
+            training.wait()
+        sinks.close()
+        result = {"loss": latest["loss"], "tokens_per_second": latest["tokens_per_second"]}
+        result["gradient"] = float(gradients[0])
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metric_reduction_has_its_own_process_group(tmp_path: Any) -> None:
+    """On the default group rank 0's metric reduction would meet rank 1's gradient
+    reduction (a mismatch: an error or a wrong sum); in its own group both come out right."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank")
+    mp.spawn(_rank_reduces_beside_training, args=(port, out), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank.{rank}").read_text())
+        assert result["loss"] == 3.0  # mean of 2.0 and 4.0
+        assert result["tokens_per_second"] == 400.0  # 2 x 100 tokens in 0.5 s
+        assert result["gradient"] == 3.0  # 1 + 2
