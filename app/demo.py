@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from rich.console import Console
 
 from app.cli_render import watch_run
 from app.client import ApiError, TuneyardClient
+from app.ports import free_port
 from app.services.api_keys import issue_api_key
 from app.settings import DEMO_DIRNAME, Settings
 
@@ -34,7 +34,7 @@ def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
         model_dir, data_file = _build_assets(settings.home_dir / DEMO_DIRNAME)
         model, dataset = str(model_dir), {"source": str(data_file), "text_field": "text"}
     api_key = issue_api_key(settings.resolved_database_url, name="demo")
-    port = port or _free_port()
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
 
     console.print(f"[bold]Starting tuneyard[/] on {base} (home {settings.home_dir})")
@@ -158,9 +158,3 @@ def _show_result(client: TuneyardClient, run: dict[str, Any]) -> None:
         )
         console.print(f"Exported model: [bold]{model_path}[/]")
         console.print(f"Sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

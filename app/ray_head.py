@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from app.ports import free_ports
 from app.settings import Settings
 
 log = logging.getLogger("tuneyard")
@@ -106,7 +106,7 @@ def _attach_or_start(settings: Settings) -> LocalRayHead:
         _signal_group(head.pid, signal.SIGKILL)  # whatever of the dead head is left
         state_file.unlink()
 
-    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
     # A short temp dir of its own per home: Ray's socket paths must stay under 108 bytes.
     digest = hashlib.sha256(str(settings.home_dir).encode()).hexdigest()[:10]
     temp_dir = f"/tmp/tuneyard-ray-{digest}"
@@ -153,19 +153,6 @@ def _attach_or_start(settings: Settings) -> LocalRayHead:
 
 def forget_local_head(settings: Settings) -> None:
     (settings.ray_state_dir / "head.json").unlink(missing_ok=True)
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _dashboard_up(url: str) -> bool:

@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from app.ports import free_port
 from bench.common import REPO_ROOT
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -89,12 +89,6 @@ class BenchService:
         response.raise_for_status()
         info: dict[str, Any] = response.json()
         return info
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def service_env(

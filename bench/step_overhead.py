@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from app.ports import free_port
 from bench.common import median, record
 from bench.training import WARMUP_STEPS, bench_home, build_model, write_jsonl
 from bench.training_overhead import (
@@ -165,14 +166,6 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_once(config: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     import torch.multiprocessing as mp
 
@@ -206,7 +199,7 @@ def main() -> None:
                         "spec": spec,
                         "steps": args.steps,
                         "out": str(root / f"steps-{i}.json"),
-                        "master_port": _free_port(),
+                        "master_port": free_port(),
                         "callback_url": f"http://127.0.0.1:{receiver.server_address[1]}",
                     }
                 )

@@ -80,12 +80,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
 
     setup_started = time.perf_counter()
     training = build_training(spec, rank=rank)
-    engine, tokenizer, data, plan = (
-        training.engine,
-        training.tokenizer,
-        training.data,
-        training.plan,
-    )
+    engine, data, plan = training.engine, training.data, training.plan
     sinks.event(
         "engine_ready",
         f"tokenizer, data, model and DeepSpeed engine ready in "
@@ -144,7 +139,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     )
     if spec.checkpointing.export_hf:
         probe = next(iter(data.train))
-        export = export_hf_model(engine, tokenizer, spec, rank=rank, probe=probe)
+        export = export_hf_model(engine, training.tokenizer, spec, rank=rank, probe=probe)
         if rank == 0 and sinks.client is not None:
             sinks.client.checkpoint(
                 step=step,

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from app.cli import ExitCode, app
 from app.main import create_app
+from app.ports import free_port
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.conftest import make_api_key
@@ -92,11 +93,7 @@ def live(
 
 @pytest.fixture
 def unused_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def write_spec(root: Path, name: str = "spec.yaml", **overrides: Any) -> Path:

@@ -3,7 +3,6 @@ with a message that names the setting and hides the password."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.migrate import DatabaseUnavailable, wait_for_database
+from app.ports import free_port
 
 
 def test_a_database_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:
@@ -25,9 +25,7 @@ def test_a_database_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:
 
 
 def test_gives_up_naming_the_setting_without_the_password() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     url = f"postgresql+psycopg://tuneyard:hunter2@127.0.0.1:{port}/tuneyard"
     started = time.monotonic()
     with pytest.raises(DatabaseUnavailable) as caught:

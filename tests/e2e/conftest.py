@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from app.ports import free_port
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -104,18 +105,12 @@ class Service:
         raise AssertionError(f"run {run_id} not {statuses} after {timeout_s}s: {run}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def make_service(
     home: Path, data_dir: Path, allowed_roots: list[Path], *, database_url: str | None = None
 ) -> Service:
     """A service on its embedded defaults under `home` (or on `database_url`), with an API
     key; not yet started."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "TUNEYARD_HOME": str(home),

@@ -113,13 +113,12 @@ def test_metric_reduction_has_its_own_process_group(tmp_path: Any) -> None:
     """On the default group rank 0's metric reduction would meet rank 1's gradient
     reduction (a mismatch: an error or a wrong sum); in its own group both come out right."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from app.ports import free_port
+
+    port = free_port()
     out = str(tmp_path / "rank")
     mp.spawn(_rank_reduces_beside_training, args=(port, out), nprocs=2)
     for rank in (0, 1):
