@@ -10,16 +10,15 @@ same id, so there is never a second job.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import transaction
@@ -29,14 +28,18 @@ from app.models import Run, utcnow
 from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
-from app.services.run_status import record_event, set_status
+from app.services import lifecycle
+from app.services.lifecycle import Failure, RayVerdict
 from app.settings import Settings
 from app.status import RunStatus
-from worker.spec import CALLBACK_URL_ENV, SPEC_ENV, TOKEN_ENV
+from contract.job_env import CALLBACK_URL_ENV, SPEC_ENV, TOKEN_ENV
+from contract.run_request import RunSpec
 
 log = logging.getLogger("tuneyard")
 
-WORKER_PACKAGE = Path(__file__).resolve().parent.parent / "worker"
+_ROOT = Path(__file__).resolve().parent.parent
+# What ships to the cluster with every job: the worker and the run contract it reads.
+JOB_PACKAGES = [str(_ROOT / "worker"), str(_ROOT / "contract")]
 ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
@@ -45,26 +48,22 @@ MAX_RAY_BACKOFF_S = 30.0
 LOG_TAIL_LINES = 20
 
 
-def submission_id(run: Run) -> str:
-    return f"{run.id}-{run.attempt}"
-
-
 def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, Any]:
-    spec = {
-        **run.spec,
-        "run_id": run.id,
-        "attempt": run.attempt,
-        "storage_path": str(settings.resolved_storage_path),
-    }
+    spec = RunSpec.for_attempt(
+        run.spec,
+        run_id=run.id,
+        attempt=run.attempt,
+        storage_path=str(settings.resolved_storage_path),
+    )
     env_vars = {
-        SPEC_ENV: json.dumps(spec),
+        SPEC_ENV: spec.model_dump_json(),
         TOKEN_ENV: token,
         CALLBACK_URL_ENV: settings.resolved_callback_url,
         "PYTHONUNBUFFERED": "1",
     }
-    if not run.spec["resources"]["use_gpu"]:
+    if not spec.resources.use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing
-    return {"py_modules": [str(WORKER_PACKAGE)], "env_vars": env_vars}
+    return {"py_modules": JOB_PACKAGES, "env_vars": env_vars}
 
 
 class Dispatcher:
@@ -132,13 +131,11 @@ class Dispatcher:
             free = self.settings.max_concurrent_runs - live
             if free <= 0:
                 return 0
-            # A queued run is not written to until it is claimed, so `updated_at` is when
-            # it entered the queue (created, resumed, or re-queued after a lost attempt).
             queued = list(
                 session.execute(
-                    select(Run.id, Run.updated_at)
+                    select(Run.id, Run.queued_at)
                     .where(Run.status == RunStatus.QUEUED)
-                    .order_by(Run.created_at, Run.id)
+                    .order_by(Run.queued_at, Run.id)
                     .limit(free)
                 ).tuples()
             )
@@ -158,33 +155,12 @@ class Dispatcher:
         """True when Ray accepted the run's job."""
         token = new_secret("rt")
         with transaction(self.session_factory) as session:
-            run = self._claim(session, run_id, token)
+            run = lifecycle.claim(session, run_id, token_hash=hash_secret(token))
             if run is None:
                 return False  # a peer took it, or it was cancelled meanwhile
             runtime_env = build_runtime_env(run, token=token, settings=self.settings)
             sid = run.ray_submission_id
         return self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]
-
-    def _claim(self, session: Session, run_id: str, token: str) -> Run | None:
-        claimed = session.execute(
-            update(Run)
-            .where(Run.id == run_id, Run.status == RunStatus.QUEUED)
-            .values(status=RunStatus.STARTING, callback_token_hash=hash_secret(token))
-            .execution_options(synchronize_session=False)
-        )
-        if claimed.rowcount != 1:  # type: ignore[attr-defined]
-            return None
-        run = session.get(Run, run_id, populate_existing=True)
-        assert run is not None
-        run.ray_submission_id = submission_id(run)
-        record_event(
-            session,
-            run,
-            type="status",
-            status=RunStatus.STARTING,
-            message=f"submitting Ray job {run.ray_submission_id}",
-        )
-        return run
 
     def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> bool:
         run_logger = run_log(log, run_id)
@@ -199,16 +175,16 @@ class Dispatcher:
             run_logger.warning(
                 "Ray unavailable, back to the queue for %.0fs: %s", self._ray_backoff_s, exc
             )
-            self._settle(run_id, RunStatus.QUEUED, message=f"Ray unavailable, will retry: {exc}")
+            with self._locked(run_id) as (session, run):
+                if run is not None and run.run_status == RunStatus.STARTING:
+                    lifecycle.unclaim(session, run, reason=f"Ray unavailable, will retry: {exc}")
             return False
         except RayRejected as exc:
             run_logger.error("Ray rejected the job: %s", exc)
-            self._settle(
-                run_id,
-                RunStatus.FAILED,
-                error_code="ray_rejected",
-                error_message=f"Ray rejected the job: {exc}",
-            )
+            with self._locked(run_id) as (session, run):
+                if run is not None:
+                    failure = Failure("ray_rejected", f"Ray rejected the job: {exc}")
+                    lifecycle.settle(session, run, RunStatus.FAILED, failure=failure)
             return False
         if self.metrics is not None:
             self.metrics.ray_submit_duration.observe(time.perf_counter() - started)
@@ -216,11 +192,11 @@ class Dispatcher:
         self._ray_backoff_s = 0.0
         return True
 
-    def _settle(self, run_id: str, new: RunStatus, **kwargs: Any) -> None:
+    @contextlib.contextmanager
+    def _locked(self, run_id: str) -> Iterator[tuple[Session, Run | None]]:
+        """The run's row, locked for one transaction (None when it is gone)."""
         with transaction(self.session_factory) as session:
-            run = session.get(Run, run_id, with_for_update=True)
-            if run is not None and not run.run_status.is_terminal():
-                set_status(session, run, new, **kwargs)
+            yield session, session.get(Run, run_id, with_for_update=True)
 
     # -- reconciliation ---------------------------------------------------------------
 
@@ -241,60 +217,32 @@ class Dispatcher:
             self._reconcile(run, state)
 
     def _reconcile(self, seen: Run, state: JobState | None) -> None:
-        status = seen.run_status
-        if state is None:
-            self._reconcile_unknown(seen)
-        elif state.status == "FAILED":
-            if status == RunStatus.CANCELLING:
-                self._settle(seen.id, RunStatus.CANCELLED, message="the Ray job ended")
-            else:
-                self._settle(
-                    seen.id,
-                    RunStatus.FAILED,
-                    error_code="job_failed",
-                    error_message=self._failure_message(seen, state),
-                )
-        elif state.status == "STOPPED":
-            if status == RunStatus.CANCELLING:
-                self._settle(seen.id, RunStatus.CANCELLED, message="Ray stopped the job")
-            else:
-                self._settle(
-                    seen.id,
-                    RunStatus.FAILED,
-                    error_code="stopped",
-                    error_message=f"the Ray job was stopped: {state.message}",
-                )
-        elif state.status == "SUCCEEDED":
-            # The entry point exits 0 only after training and export finished.
-            self._settle(seen.id, RunStatus.SUCCEEDED, message="settled from Ray's job status")
-        elif status == RunStatus.CANCELLING:
+        # Ray's calls happen outside the run's transaction: the log tail before it, a stop
+        # or a resubmission after it.
+        job_failure = ""
+        if (
+            state is not None
+            and state.status == "FAILED"
+            and seen.run_status != RunStatus.CANCELLING
+        ):
+            job_failure = self._failure_message(seen, state)
+        updated = as_utc(seen.updated_at)
+        with self._locked(seen.id) as (session, run):
+            if run is None or run.run_status.is_terminal():
+                return
+            verdict = lifecycle.apply_ray_state(
+                session,
+                run,
+                state.status if state else None,
+                ray_message=state.message if state else "",
+                job_failure=job_failure,
+                submit_grace_over=bool(updated and utcnow() - updated > SUBMIT_GRACE),
+            )
+        if verdict is RayVerdict.STOP_JOB:
             with contextlib.suppress(RayUnavailable):  # asked again on the next pass
                 self.jobs.stop(seen.ray_submission_id or "")
-
-    def _reconcile_unknown(self, seen: Run) -> None:
-        """Ray has no such job: never submitted (a crash before submit) or lost with the head."""
-        status = seen.run_status
-        if status == RunStatus.STARTING:
-            updated = as_utc(seen.updated_at)
-            if updated and utcnow() - updated > SUBMIT_GRACE:
-                self._resubmit(seen.id)
-        elif status == RunStatus.CANCELLING:
-            self._settle(seen.id, RunStatus.CANCELLED, message="the Ray job is gone")
-        elif seen.attempt <= seen.spec["fault_tolerance"]["max_failures"]:
-            self._settle(
-                seen.id,
-                RunStatus.QUEUED,
-                message=f"lost: Ray no longer knows job {seen.ray_submission_id} "
-                "(the head restarted?); a new attempt resumes from the latest checkpoint",
-            )
-        else:
-            self._settle(
-                seen.id,
-                RunStatus.FAILED,
-                error_code="lost",
-                error_message=f"Ray no longer knows job {seen.ray_submission_id} "
-                "(the head restarted?) and no attempts remain",
-            )
+        elif verdict is RayVerdict.RESUBMIT:
+            self._resubmit(seen.id)
 
     def _failure_message(self, run: Run, state: JobState) -> str:
         message = f"the Ray job failed: {state.message}"
@@ -316,7 +264,7 @@ class Dispatcher:
             if run is None or run.status != RunStatus.STARTING:
                 return
             run.callback_token_hash = hash_secret(token)
-            record_event(
+            lifecycle.record_event(
                 session, run, type="message", message="Ray never received the job; resubmitting"
             )
             runtime_env = build_runtime_env(run, token=token, settings=self.settings)

@@ -1,16 +1,12 @@
-"""Domain errors carry their HTTP status; one handler renders them all the same way."""
+"""Domain errors carry their HTTP status (app/api/error_handlers.py renders them), and the
+one shape of a broken rule: the field it is about and the rule in words."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from app.schemas.run_request import SERVER_OWNED_FIELDS
+from app.schemas.run_view import SERVER_OWNED_FIELDS
 
 
 class TuneyardError(Exception):
@@ -81,24 +77,3 @@ def problems_from_pydantic(errors: Sequence[Any]) -> list[dict[str, str]]:
             message = message.removeprefix("Value error, ")
         problems.append(field_problem(field, message))
     return problems
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(TuneyardError)
-    async def _domain(_: Request, exc: TuneyardError) -> JSONResponse:
-        return JSONResponse({"error": exc.error, "detail": exc.detail}, status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(
-            {"error": "validation_error", "detail": problems_from_pydantic(exc.errors())},
-            status_code=422,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            {"error": "http_error", "detail": exc.detail},
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )

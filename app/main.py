@@ -6,13 +6,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import anyio
 from fastapi import FastAPI
 
 from app.api import files, health, internal, prometheus, runs
+from app.api.deps import AppState
+from app.api.error_handlers import install_error_handlers
 from app.db import make_engine, make_read_engine, make_session_factory
 from app.dispatch import Dispatcher
-from app.errors import install_error_handlers
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
 from app.migrate import prepare_database
@@ -49,7 +49,7 @@ def create_app(
             else:
                 head = ensure_local_head(settings)
                 address = head.dashboard_url
-            app.state.jobs = RayJobs(address)
+            jobs = state.jobs = RayJobs(address)
 
             def revive_local_head() -> None:
                 """The embedded head died: start (or re-attach to) one and point Ray at it."""
@@ -57,22 +57,21 @@ def create_app(
                 if head is None:
                     return
                 head = ensure_local_head(settings)
-                app.state.jobs.retarget(head.dashboard_url)
+                jobs.retarget(head.dashboard_url)
 
-            dispatcher = Dispatcher(
+            dispatcher = state.dispatcher = Dispatcher(
                 settings=settings,
-                session_factory=app.state.session_factory,
-                jobs=app.state.jobs,
+                session_factory=state.session_factory,
+                jobs=jobs,
                 revive_ray=revive_local_head if head is not None else None,
-                metrics=app.state.metrics,
+                metrics=state.metrics,
             )
-            app.state.dispatcher = dispatcher
             dispatcher.start()
         try:
             yield
         finally:
-            if start_background:
-                app.state.dispatcher.stop()
+            if state.dispatcher is not None:
+                state.dispatcher.stop()
             if head is not None and owns_local_head:
                 # A clean shutdown stops the head; after a crash it lives on to be re-attached.
                 stop_local_head(settings)
@@ -85,13 +84,13 @@ def create_app(
         summary="Fine-tune language models on Ray Train + DeepSpeed over HTTP.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.session_factory = make_session_factory(engine)
-    app.state.read_session_factory = make_session_factory(read_engine)
-    app.state.metrics = ServiceMetrics(app.state.read_session_factory)
-    app.state.sqlite_write_lock = anyio.Lock()
-    app.state.jobs = None
-    app.state.dispatcher = None
+    read_session_factory = make_session_factory(read_engine)
+    state = app.state.tuneyard = AppState(
+        settings=settings,
+        session_factory=make_session_factory(engine),
+        read_session_factory=read_session_factory,
+        metrics=ServiceMetrics(read_session_factory),
+    )
     install_error_handlers(app)
     app.add_middleware(RunIdMiddleware)
     app.include_router(runs.router)

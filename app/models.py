@@ -22,6 +22,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from app.status import RunStatus
+from contract.run_request import RunDefinition
 
 # Stable constraint names, so migrations can alter them on SQLite and PostgreSQL alike.
 NAMING_CONVENTION = {
@@ -59,6 +60,8 @@ class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (
         Index("ix_runs_owner_created", "owner_id", "created_at"),
+        # The dispatcher's order: queued runs by when they (or their attempt) were queued.
+        Index("ix_runs_status_queued", "status", "queued_at"),
         # One run per (principal, Idempotency-Key): concurrent retries cannot create two.
         UniqueConstraint("owner_id", "idempotency_key"),
     )
@@ -67,6 +70,9 @@ class Run(Base):
     owner_id: Mapped[str | None] = mapped_column(String(32), index=True)
     status: Mapped[str] = mapped_column(String(16), index=True, default=RunStatus.QUEUED)
     attempt: Mapped[int] = mapped_column(Integer, default=1)
+    # New attempts the service started after Ray lost a job, since creation or the last
+    # resume by request; fault_tolerance.max_resubmits bounds it (app/services/lifecycle.py).
+    resubmits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     run_metadata: Mapped[dict[str, str]] = mapped_column("metadata", JSON, default=dict)
     # sha256 of the token of the current attempt's worker (new per attempt); app/security.py.
@@ -87,12 +93,19 @@ class Run(Base):
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
     )
+    # When the run, or its current attempt, entered the queue: the queue's order.
+    queued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     @property
     def run_status(self) -> RunStatus:
         return RunStatus(self.status)
+
+    @property
+    def definition(self) -> RunDefinition:
+        """The stored spec, typed: what the run trains (metadata is kept beside it)."""
+        return RunDefinition.model_validate(self.spec)
 
 
 class Metric(Base):

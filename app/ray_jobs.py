@@ -112,6 +112,14 @@ class RayJobs:
             raise RayUnavailable(f"cannot read logs of {submission_id}: {exc}") from exc
 
 
+def try_stop(jobs: RayJobs, submission_id: str) -> None:
+    """Stop a job, or leave it to the reconciler, which asks Ray again on its next pass."""
+    try:
+        jobs.stop(submission_id)
+    except RayUnavailable as exc:
+        log.warning("could not reach Ray to stop job %s yet: %s", submission_id, exc)
+
+
 def _is_connection_error(exc: Exception) -> bool:
     import requests
 

@@ -73,11 +73,11 @@ def probe_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
+    from contract.run_request import RunSpec
     from worker.deepspeed_config import resolve_deepspeed_config
     from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
-    from worker.spec import RunSpec
 
-    spec = RunSpec.from_dict(config["spec"])
+    spec = RunSpec.model_validate(config["spec"])
     rank = ray.train.get_context().get_world_rank()
     tokenizer = load_tokenizer(spec)
     data = build_data(spec, tokenizer, rank=rank)
@@ -219,7 +219,7 @@ def measure(
 
 def _spec_from_request(body: dict[str, Any]) -> dict[str, Any]:
     """The request with the service's defaults filled in, as the worker receives it."""
-    from app.schemas.run_request import RunRequest
+    from contract.run_request import RunRequest
 
     return RunRequest.model_validate(body).worker_fields()
 

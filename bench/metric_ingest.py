@@ -56,12 +56,11 @@ def prepare(database_url: str, assets: TinyAssets, *, runs: int) -> Fixture:
     from app.db import make_engine, make_session_factory, transaction
     from app.migrate import upgrade_database
     from app.models import Run
-    from app.schemas.run_request import RunRequest
     from app.security import hash_secret
+    from app.services import lifecycle
     from app.services.api_keys import create_api_key
-    from app.services.run_status import set_status
     from app.services.runs import create_run
-    from app.status import RunStatus
+    from contract.run_request import RunRequest
 
     upgrade_database(database_url)
     engine = make_engine(database_url)
@@ -83,8 +82,7 @@ def prepare(database_url: str, assets: TinyAssets, *, runs: int) -> Fixture:
                 token = f"rt_{secrets.token_urlsafe(32)}"
                 run.callback_token_hash = hash_secret(token)
                 run.ray_submission_id = f"{run.id}-1"
-                set_status(session, run, RunStatus.STARTING, message="bench")
-                set_status(session, run, RunStatus.RUNNING, message="bench")
+                lifecycle.start(session, run, message="bench")
                 created.append((run.id, token))
             session.flush()
             assert all(session.get(Run, run_id) for run_id, _ in created)

@@ -92,8 +92,10 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
         tutorial_step,
         tutorial_tokenizer,
     )
-    from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
-    from worker.train_loop import MetricSinks, build_training, train_step
+    from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
+    from contract.run_request import RunSpec
+    from worker.metrics import MetricSinks
+    from worker.train_loop import build_training, train_step
 
     # Ray gives a 1-CPU worker one OpenMP thread; do the same for both sides.
     torch.set_num_threads(1)
@@ -119,7 +121,7 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
         }
     )
 
-    spec = RunSpec.from_dict(config["spec"])
+    spec = RunSpec.model_validate(config["spec"])
     training = build_training(spec, rank=rank)
     tuneyard_batches = training.plan.batches_from(training.data.train, 0)
     sinks = MetricSinks(spec, rank=rank)
@@ -213,7 +215,7 @@ def main() -> None:
 
 def _worker_spec(request: dict[str, Any], *, storage: Path) -> dict[str, Any]:
     """The spec a worker gets for this request, as the service builds it."""
-    from app.schemas.run_request import RunRequest
+    from contract.run_request import RunRequest
 
     fields = RunRequest.model_validate(request).worker_fields()
     return {**fields, "run_id": "bench", "attempt": 1, "storage_path": str(storage)}

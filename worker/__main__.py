@@ -7,13 +7,12 @@ the job's runtime_env. Whatever happens, the service hears how the attempt ended
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from contract.run_request import RunSpec
 from worker.failures import describe_failure, failure_code
 from worker.logs import configure_worker_logging
 from worker.service_client import ServiceClient
-from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
 
 
 def main() -> int:
@@ -21,12 +20,7 @@ def main() -> int:
     spec = RunSpec.from_env()
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt)
     log = logging.getLogger("tuneyard.worker")
-    client = ServiceClient(
-        base_url=os.environ[CALLBACK_URL_ENV],
-        token=os.environ[TOKEN_ENV],
-        run_id=spec.run_id,
-        attempt=spec.attempt,
-    )
+    client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
     try:
         client.status("running")
         from worker.trainer import build_trainer

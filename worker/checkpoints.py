@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.spec import RunSpec
+from contract.run_request import RunSpec
 
 log = logging.getLogger("tuneyard.worker")
 

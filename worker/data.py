@@ -9,34 +9,14 @@ from typing import Any
 
 import torch
 
-from worker.spec import DatasetSpec
+from contract.datasets import FILE_FORMATS, fields_read_by, is_local_source, local_split_problem
+from contract.run_request import DatasetSpec
+from contract.steps import examples_used
 
 log = logging.getLogger("tuneyard.worker")
 
 # Label value that PyTorch's cross-entropy (and so every HF model) leaves out of the loss.
 IGNORE_INDEX = -100
-
-# `datasets` builder for each local file type tuneyard accepts.
-LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def is_local_source(source: str) -> bool:
-    return source.startswith(("/", "./", "../", "~"))
-
-
-def required_fields(task: str, spec: DatasetSpec) -> list[tuple[str, str]]:
-    """(field, the request setting that names it) for every field this run reads."""
-    if spec.format == "prompt_completion":
-        return [
-            (spec.prompt_field, "dataset.prompt_field"),
-            (spec.completion_field, "dataset.completion_field"),
-        ]
-    fields = [(spec.text_field, "dataset.text_field")]
-    if task == "sequence_classification":
-        if spec.text_pair_field:
-            fields.append((spec.text_pair_field, "dataset.text_pair_field"))
-        fields.append((spec.label_field or "label", "dataset.label_field"))
-    return fields
 
 
 def load_raw_dataset(
@@ -53,7 +33,7 @@ def load_raw_dataset(
     if is_local_source(spec.source):
         path = Path(spec.source).expanduser()
         files = (
-            sorted(p for p in path.iterdir() if p.suffix in LOCAL_BUILDERS)
+            sorted(p for p in path.iterdir() if p.suffix.lower() in FILE_FORMATS)
             if path.is_dir()
             else [path]
         )
@@ -61,32 +41,29 @@ def load_raw_dataset(
             raise ValueError(
                 f"dataset.source {spec.source!r} holds no .jsonl, .csv or .parquet file"
             )
-        builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
-        if len(builders) != 1 or None in builders:
+        formats = {FILE_FORMATS.get(p.suffix.lower()) for p in files}
+        if len(formats) != 1 or None in formats:
             raise ValueError(
                 f"dataset.source {spec.source!r}: files must all be one of "
-                f"{sorted(LOCAL_BUILDERS)}, got {sorted(p.name for p in files)}"
+                f"{sorted(FILE_FORMATS)}, got {sorted(p.name for p in files)}"
             )
-        if not split.startswith("train"):
-            raise ValueError(
-                f"split {split!r}: a local dataset is the single split 'train'; take parts "
-                "of it with slices such as 'train[:90%]' and 'train[90%:]'"
-            )
-        local_split = split
-        dataset = load_dataset(
-            builders.pop(), data_files=[str(p) for p in files], split=local_split
-        )
+        problem = local_split_problem("split", split)
+        if problem:
+            raise ValueError(problem)
+        (fmt,) = formats
+        assert fmt is not None
+        dataset = load_dataset(fmt.builder, data_files=[str(p) for p in files], split=split)
     else:
         dataset = load_dataset(spec.source, spec.config, split=split)
 
-    for name, setting in required_fields(task, spec):
+    for name, setting in fields_read_by(task, spec):
         if name not in dataset.column_names:
             raise ValueError(
                 f"dataset {spec.source!r} has no field {name!r} ({setting}); "
                 f"its fields are {dataset.column_names}"
             )
     if spec.max_samples is not None:
-        dataset = dataset.select(range(min(spec.max_samples, len(dataset))))
+        dataset = dataset.select(range(examples_used(len(dataset), spec.max_samples)))
     return dataset
 
 

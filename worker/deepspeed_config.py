@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.spec import RunSpec
-
-# ZeRO stages that DeepSpeed's AutoTP trains with, as verified on the installed version
-# (see tests/e2e); the service refuses other combinations up front.
-AUTOTP_ZERO_STAGES = (0, 1, 2, 3)
+from contract.run_request import RunDefinition
 
 # DeepSpeed prints its own progress every N steps; tuneyard reports metrics itself.
 _QUIET_STEPS = 10**9
 
 
-def resolve_precision(spec: RunSpec, *, bf16_supported: bool) -> str:
+def resolve_precision(spec: RunDefinition, *, bf16_supported: bool) -> str:
     """`auto` → bf16 where the GPU supports it, else fp16 on GPU; fp32 on CPU.
 
     fp32 on CPU because bf16 matmuls are slow on CPUs without AMX and the runs there
@@ -28,7 +24,7 @@ def resolve_precision(spec: RunSpec, *, bf16_supported: bool) -> str:
     return "bf16" if bf16_supported else "fp16"
 
 
-def resolve_deepspeed_config(spec: RunSpec, *, bf16_supported: bool = True) -> dict[str, Any]:
+def resolve_deepspeed_config(spec: RunDefinition, *, bf16_supported: bool = True) -> dict[str, Any]:
     ds, tr = spec.deepspeed, spec.training
     precision = resolve_precision(spec, bf16_supported=bf16_supported)
 
@@ -63,6 +59,6 @@ def resolve_deepspeed_config(spec: RunSpec, *, bf16_supported: bool = True) -> d
     return config
 
 
-def global_batch_size(spec: RunSpec) -> int:
+def global_batch_size(spec: RunDefinition) -> int:
     tr = spec.training
     return tr.batch_size_per_worker * tr.gradient_accumulation_steps * spec.data_parallel_size

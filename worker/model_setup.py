@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from contract.run_request import RunSpec
 from worker.data import (
     CausalLMCollator,
     ClassificationCollator,
@@ -18,7 +19,6 @@ from worker.data import (
     tokenize_dataset,
     tokenize_prompt_completion,
 )
-from worker.spec import RunSpec
 
 log = logging.getLogger("tuneyard.worker")
 

@@ -9,6 +9,7 @@ nothing that fits in the buffer.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -16,6 +17,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+
+from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -32,6 +35,17 @@ class ServiceClient:
             base_url=f"{base_url.rstrip('/')}/v1/internal/runs/{run_id}",
             headers={"Authorization": f"Bearer {token}"},
             timeout=10.0,
+        )
+
+    @classmethod
+    def from_env(cls, *, run_id: str, attempt: int) -> ServiceClient:
+        """As every process of a job builds it: the callback address and the attempt's
+        token come from the job's environment (contract/job_env.py)."""
+        return cls(
+            base_url=os.environ[CALLBACK_URL_ENV],
+            token=os.environ[TOKEN_ENV],
+            run_id=run_id,
+            attempt=attempt,
         )
 
     def post(self, path: str, body: dict[str, Any], *, attempts: int = 5) -> bool:
@@ -76,8 +90,8 @@ class ServiceClient:
             {"step": step, "epoch": epoch, "path": path, "kind": kind, "metrics": metrics},
         )
 
-    def event(self, type: str, message: str) -> bool:
-        return self.post("/events", {"type": type, "message": message})
+    def event(self, type: str, message: str, *, attempts: int = 5) -> bool:
+        return self.post("/events", {"type": type, "message": message}, attempts=attempts)
 
     def close(self) -> None:
         self._http.close()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ray.train import UserCallback
 
-from worker.spec import CALLBACK_URL_ENV, TOKEN_ENV, RunSpec
+from contract.run_request import RunSpec
 
 
 def build_trainer(spec: RunSpec) -> Any:
@@ -22,7 +21,7 @@ def build_trainer(spec: RunSpec) -> Any:
         per_worker["GPU"] = res.gpus_per_worker or 1
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"spec": spec.to_dict()},
+        train_loop_config={"spec": spec.model_dump(mode="json")},
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=per_worker
@@ -56,12 +55,7 @@ class CheckpointRecorder(UserCallback):
         # The controller is a process of its own: its log lines name the run too.
         configure_worker_logging(run_id=self.run_id, attempt=self.attempt)
         rank0 = metrics[0] if metrics else {}
-        client = ServiceClient(
-            base_url=os.environ[CALLBACK_URL_ENV],
-            token=os.environ[TOKEN_ENV],
-            run_id=self.run_id,
-            attempt=self.attempt,
-        )
+        client = ServiceClient.from_env(run_id=self.run_id, attempt=self.attempt)
         try:
             client.checkpoint(
                 step=int(rank0.get("step", 0)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
 import anyio
@@ -12,7 +12,10 @@ import anyio.to_thread
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.dispatch import Dispatcher
 from app.errors import Unauthorized
+from app.metrics import ServiceMetrics
+from app.ray_jobs import RayJobs
 from app.security import hash_secret
 from app.services.api_keys import find_api_key
 from app.settings import Settings
@@ -20,11 +23,50 @@ from app.settings import Settings
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class AppState:
+    """Everything the app holds for its routes, typed (kept as `app.state.tuneyard`)."""
+
+    settings: Settings
+    session_factory: sessionmaker[Session]
+    # Reads get sessions that do not queue for SQLite's write lock.
+    read_session_factory: sessionmaker[Session]
+    metrics: ServiceMetrics
+    # SQLite has one writer at a time; see get_session.
+    sqlite_write_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    # Set while attached to Ray (not in `start_background=False` apps).
+    jobs: RayJobs | None = None
+    dispatcher: Dispatcher | None = None
+    api_key_cache: _ApiKeyCache = field(default_factory=lambda: _ApiKeyCache())
+
+
+def app_state(request: Request) -> AppState:
+    state: AppState = request.app.state.tuneyard
+    return state
+
+
+# The dependencies below are `async` only so that FastAPI calls them on the event loop: a
+# plain `def` dependency is run in a worker thread, a trip that costs more than the lookup.
+
+
 async def get_settings(request: Request) -> Settings:
-    # `async` only so that FastAPI calls it on the event loop: a plain `def` dependency is
-    # run in a worker thread, a trip that costs more than the lookup.
-    settings: Settings = request.app.state.settings
-    return settings
+    return app_state(request).settings
+
+
+async def get_jobs(request: Request) -> RayJobs | None:
+    return app_state(request).jobs
+
+
+async def get_dispatcher(request: Request) -> Dispatcher | None:
+    return app_state(request).dispatcher
+
+
+async def get_metrics(request: Request) -> ServiceMetrics:
+    return app_state(request).metrics
+
+
+async def get_read_session_factory(request: Request) -> sessionmaker[Session]:
+    return app_state(request).read_session_factory
 
 
 _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -32,24 +74,21 @@ _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 def _factory(request: Request) -> sessionmaker[Session]:
     """Reads get sessions that do not queue for SQLite's write lock."""
-    state = request.app.state
-    factory: sessionmaker[Session] = (
-        state.read_session_factory
-        if request.method in _READ_ONLY_METHODS
-        else state.session_factory
-    )
-    return factory
+    state = app_state(request)
+    if request.method in _READ_ONLY_METHODS:
+        return state.read_session_factory
+    return state.session_factory
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """The request owns the transaction: commit when the route returns, roll back on error."""
     factory = _factory(request)
     lock: anyio.Lock | None = None
-    if factory is request.app.state.session_factory and _is_sqlite(factory):
+    if factory is app_state(request).session_factory and _is_sqlite(factory):
         # SQLite has one writer at a time. Write requests queue here, on the event loop,
         # rather than each holding a worker thread while it waits for the lock: with every
         # pool thread waiting, the holder could not get one to finish its response.
-        lock = request.app.state.sqlite_write_lock
+        lock = app_state(request).sqlite_write_lock
         await lock.acquire()
     try:
         session = factory()
@@ -86,7 +125,7 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
     and the handing of the GIL back and forth that comes with them, are what made polling's
     tail latency (BENCHMARKS.md, status polling). Other databases are a network round trip
     away, so their reads go to a worker thread."""
-    factory: sessionmaker[Session] = request.app.state.read_session_factory
+    factory = app_state(request).read_session_factory
 
     def in_session() -> T:
         with factory() as session:
@@ -105,6 +144,10 @@ def _is_sqlite(factory: sessionmaker[Session]) -> bool:
 LOCAL_PRINCIPAL = "local"
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+JobsDep = Annotated[RayJobs | None, Depends(get_jobs)]
+DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]
+MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
+ReadSessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_session_factory)]
 # scope="function": commit before the response is sent, so a client never reads stale data.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
@@ -153,25 +196,17 @@ class _ApiKeyCache:
         self._entries[key_hash] = (time.monotonic() + API_KEY_CACHE_TTL_S, principal)
 
 
-def _api_key_cache(request: Request) -> _ApiKeyCache:
-    state = request.app.state
-    cache: _ApiKeyCache | None = getattr(state, "api_key_cache", None)
-    if cache is None:
-        cache = state.api_key_cache = _ApiKeyCache()
-    return cache
-
-
 async def get_principal(request: Request, settings: SettingsDep) -> Principal:
     if settings.auth == "disabled":
         return Principal(id=LOCAL_PRINCIPAL, name="local")
     token = bearer_token(request)
     if not token:
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
-    cache = _api_key_cache(request)
+    cache = app_state(request).api_key_cache
     key_hash = hash_secret(token)
     principal = cache.get(key_hash)
     if principal is None:
-        factory: sessionmaker[Session] = request.app.state.read_session_factory
+        factory = app_state(request).read_session_factory
         principal = await anyio.to_thread.run_sync(_find_principal, factory, token)
         if principal is None:
             raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")

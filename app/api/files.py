@@ -12,6 +12,7 @@ from app.schemas.errors import error_responses
 from app.schemas.file_view import FileView
 from app.schemas.security_schemes import api_key
 from app.services import files
+from contract.datasets import Purpose, required_fields
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Security(api_key)])
 
@@ -42,7 +43,7 @@ def upload_file(
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
-    purpose: Annotated[files.Purpose, Form()] = "text",
+    purpose: Annotated[Purpose, Form()] = "text",
     text_field: Annotated[str, Form(min_length=1)] = "text",
     text_pair_field: Annotated[str | None, Form()] = None,
     label_field: Annotated[str, Form(min_length=1)] = "label",
@@ -56,7 +57,7 @@ def upload_file(
             f"the upload is larger than the {settings.max_upload_bytes}-byte limit "
             "(TUNEYARD_MAX_UPLOAD_BYTES)"
         )
-    required = files.required_fields(
+    required = required_fields(
         purpose,
         text_field=text_field,
         prompt_field=prompt_field,
@@ -72,7 +73,7 @@ def upload_file(
         storage_dir=settings.resolved_storage_path / "files",
         max_bytes=settings.max_upload_bytes,
         purpose=purpose,
-        required=required,
+        required=[f.name for f in required],
         label_field=label_field if purpose == "sequence_classification" else None,
     )
     return FileView.of(upload)

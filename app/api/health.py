@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from sqlalchemy import text
 
-from app.api.deps import SessionDep
+from app.api.deps import JobsDep, SessionDep
 from app.schemas.health import HealthView
 
 router = APIRouter(tags=["health"])
@@ -18,13 +18,12 @@ router = APIRouter(tags=["health"])
     description="Always 200 while the service answers, without an API key; `status` says "
     "whether the database and Ray are usable. It has no error responses of its own.",
 )
-def healthz(request: Request, session: SessionDep) -> dict:
+def healthz(session: SessionDep, jobs: JobsDep) -> dict:
     try:
         session.execute(text("SELECT 1"))
         database = "ok"
     except Exception as exc:  # report, don't raise: health must answer when parts are down
         database = f"error: {type(exc).__name__}"
-    jobs = getattr(request.app.state, "jobs", None)
     ray = {
         "address": jobs.address if jobs else None,
         "dashboard_url": jobs.address if jobs else None,

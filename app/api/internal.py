@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Security
 
-from app.api.deps import SessionDep, bearer_token
+from app.api.deps import MetricsDep, SessionDep, bearer_token
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
 from app.services import callbacks
-from app.services.run_status import record_event
+from app.services.lifecycle import record_event
 
 router = APIRouter(
     prefix="/v1/internal/runs", tags=["worker callbacks"], dependencies=[Security(run_token)]
@@ -27,46 +27,52 @@ _errors = error_responses(
 
 
 @router.post("/{run_id}/status", summary="Worker: report a status change", responses=_errors)
-def post_status(run_id: str, body: StatusPost, request: Request, session: SessionDep) -> dict:
+def post_status(
+    run_id: str, body: StatusPost, request: Request, session: SessionDep, metrics: MetricsDep
+) -> dict:
     run = callbacks.authorize_worker(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     callbacks.apply_status(session, run, body)
-    request.app.state.metrics.callbacks.labels("status").inc()
+    metrics.callbacks.labels("status").inc()
     return {"status": run.status}
 
 
 @router.post("/{run_id}/metrics", summary="Worker: post a batch of metrics", responses=_errors)
-def post_metrics(run_id: str, body: MetricsPost, request: Request, session: SessionDep) -> dict:
+def post_metrics(
+    run_id: str, body: MetricsPost, request: Request, session: SessionDep, metrics: MetricsDep
+) -> dict:
     run = callbacks.authorize_worker(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     stored = callbacks.store_metrics(session, run, body)
-    request.app.state.metrics.callbacks.labels("metrics").inc()
-    request.app.state.metrics.metric_points.inc(stored)
+    metrics.callbacks.labels("metrics").inc()
+    metrics.metric_points.inc(stored)
     return {"stored": stored}
 
 
 @router.post("/{run_id}/checkpoints", summary="Worker: record a checkpoint", responses=_errors)
 def post_checkpoint(
-    run_id: str, body: CheckpointPost, request: Request, session: SessionDep
+    run_id: str, body: CheckpointPost, request: Request, session: SessionDep, metrics: MetricsDep
 ) -> dict:
     run = callbacks.authorize_worker(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     checkpoint = callbacks.store_checkpoint(session, run, body)
-    request.app.state.metrics.callbacks.labels("checkpoint").inc()
+    metrics.callbacks.labels("checkpoint").inc()
     return {"id": checkpoint.id}
 
 
 @router.post(
     "/{run_id}/events", summary="Worker: record something that happened", responses=_errors
 )
-def post_event(run_id: str, body: EventPost, request: Request, session: SessionDep) -> dict:
+def post_event(
+    run_id: str, body: EventPost, request: Request, session: SessionDep, metrics: MetricsDep
+) -> dict:
     run = callbacks.authorize_worker(
         session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
     )
     event = record_event(session, run, type=body.type, message=body.message)
     session.flush()
-    request.app.state.metrics.callbacks.labels("event").inc()
+    metrics.callbacks.labels("event").inc()
     return {"id": event.id}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.api.deps import MetricsDep
 
 router = APIRouter(tags=["health"])
 
@@ -16,7 +18,5 @@ router = APIRouter(tags=["health"])
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
-def prometheus_metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+def prometheus_metrics(metrics: MetricsDep) -> Response:
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

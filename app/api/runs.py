@@ -19,10 +19,17 @@ from fastapi.responses import PlainTextResponse
 from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, run_in_read_session
+from app.api.deps import (
+    CurrentPrincipal,
+    DispatcherDep,
+    JobsDep,
+    ReadSessionFactoryDep,
+    SessionDep,
+    SettingsDep,
+    run_in_read_session,
+)
+from app.ray_jobs import try_stop
 from app.schemas.errors import error_responses
-from app.schemas.run_examples import RUN_REQUEST_EXAMPLES
-from app.schemas.run_request import RunRequest
 from app.schemas.run_view import (
     CheckpointList,
     CheckpointView,
@@ -36,8 +43,10 @@ from app.schemas.run_view import (
     json_response,
 )
 from app.schemas.security_schemes import api_key
-from app.services import run_control, run_data, run_logs, run_stream, runs
+from app.services import lifecycle, run_data, run_logs, run_stream, runs
 from app.status import RunStatus
+from contract.examples import RUN_REQUEST_EXAMPLES
+from contract.run_request import RunRequest
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[Security(api_key)])
 
@@ -72,11 +81,11 @@ _errors = error_responses({401: _UNAUTHORIZED, 404: _NOT_FOUND, 422: _INVALID_PA
 )
 def create_run(
     body: Annotated[RunRequest, Body(openapi_examples=RUN_REQUEST_EXAMPLES)],
-    request: Request,
     response: Response,
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
+    dispatcher: DispatcherDep,
     background: BackgroundTasks,
     idempotency_key: Annotated[
         str | None,
@@ -97,7 +106,6 @@ def create_run(
     if not created:
         response.status_code = status.HTTP_200_OK
     # Background tasks run after the commit: wake the dispatcher now, not at its next tick.
-    dispatcher = getattr(request.app.state, "dispatcher", None)
     if dispatcher is not None and created:
         background.add_task(dispatcher.wake)
     return RunView.of(run, queue_position=runs.queue_position(session, run))
@@ -249,18 +257,17 @@ def get_events(
 )
 def cancel_run(
     run_id: str,
-    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
+    jobs: JobsDep,
     background: BackgroundTasks,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    stop = run_control.cancel_run(session, run)
-    jobs = request.app.state.jobs
+    stop = lifecycle.request_cancel(session, run)
     if stop is not None and jobs is not None:
         # After the commit: Ray is asked only once `cancelling` is stored (and the
         # reconciler asks again if this attempt cannot reach Ray).
-        background.add_task(run_control.stop_job, jobs, stop)
+        background.add_task(try_stop, jobs, stop)
     return RunView.of(run)
 
 
@@ -272,15 +279,15 @@ def cancel_run(
 )
 def resume_run(
     run_id: str,
-    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
+    dispatcher: DispatcherDep,
     background: BackgroundTasks,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    run = run_control.resume_run(session, run)
-    if request.app.state.dispatcher is not None:
-        background.add_task(request.app.state.dispatcher.wake)
+    lifecycle.resume(session, run)
+    if dispatcher is not None:
+        background.add_task(dispatcher.wake)
     return RunView.of(run, queue_position=runs.queue_position(session, run))
 
 
@@ -300,13 +307,13 @@ def resume_run(
 )
 def get_logs(
     run_id: str,
-    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
+    jobs: JobsDep,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="Last N lines")] = None,
 ) -> PlainTextResponse:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    return PlainTextResponse(run_logs.read_logs(run, jobs=request.app.state.jobs, tail=tail))
+    return PlainTextResponse(run_logs.read_logs(run, jobs=jobs, tail=tail))
 
 
 @router.get(
@@ -332,14 +339,13 @@ def get_logs(
 )
 def stream_events(
     run_id: str,
-    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
+    factory: ReadSessionFactoryDep,
     last_event_id: Annotated[
         str | None, Header(description="The `id` of the last event received, to resume after it")
     ] = None,
 ) -> EventSourceResponse:
     runs.get_run(session, run_id=run_id, owner_id=principal.id)
     cursor = run_stream.StreamCursor.parse(last_event_id)
-    factory = request.app.state.read_session_factory
     return EventSourceResponse(run_stream.stream_run(factory, run_id, cursor), ping=15)

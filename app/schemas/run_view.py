@@ -25,6 +25,27 @@ def json_response(view: BaseModel, *, status_code: int = 200) -> Response:
     return Response(view.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
+# Fields a client may be tempted to send back from a run object; the server owns them.
+SERVER_OWNED_FIELDS = frozenset(
+    {
+        "id",
+        "object",
+        "status",
+        "attempt",
+        "owner",
+        "owner_id",
+        "ray_submission_id",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "progress",
+        "latest_metrics",
+        "error",
+        "output",
+    }
+)
+
+
 class RunFields(Protocol):
     """What a run's view is made of: a `Run`, or a row of its columns (`runs.read_run`)."""
 
@@ -38,6 +59,8 @@ class RunFields(Protocol):
     def ray_submission_id(self) -> str | None: ...
     @property
     def created_at(self) -> datetime: ...
+    @property
+    def queued_at(self) -> datetime: ...
     @property
     def started_at(self) -> datetime | None: ...
     @property

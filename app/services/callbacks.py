@@ -14,7 +14,8 @@ from app.errors import Conflict, NotFound, Unauthorized
 from app.models import Checkpoint, Metric, Run
 from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
 from app.security import secret_matches
-from app.services.run_status import record_event, set_status
+from app.services import lifecycle
+from app.services.lifecycle import Failure, record_event
 from app.status import RunStatus
 
 
@@ -35,49 +36,9 @@ def authorize_worker(session: Session, *, run_id: str, token: str | None, attemp
 
 
 def apply_status(session: Session, run: Run, post: StatusPost) -> None:
-    new = RunStatus(post.status)
-    if run.run_status == RunStatus.CANCELLING and new == RunStatus.RUNNING:
-        return  # a late "running" must not undo a cancel request
-    if (
-        new == RunStatus.FAILED
-        and post.error is not None
-        and post.error.code == "cluster_error"
-        and run.run_status != RunStatus.CANCELLING
-        and run.attempt <= run.spec["fault_tolerance"]["max_failures"]
-    ):
-        # Ray failed under the run (the head or a node went away): a new attempt resumes
-        # from the latest checkpoint, within the run's fault_tolerance.max_failures.
-        if run.run_status == RunStatus.STARTING:
-            # starting → queued means "Ray accepted nothing"; this attempt did run.
-            set_status(session, run, RunStatus.RUNNING, message="the worker had started")
-        set_status(
-            session,
-            run,
-            RunStatus.QUEUED,
-            message=f"lost: the cluster failed under attempt {run.attempt} "
-            f"({post.error.message}); a new attempt resumes from the latest checkpoint",
-        )
-        return
-    if run.run_status == RunStatus.CANCELLING and new == RunStatus.FAILED:
-        # Stopping a job makes its workers fail. The user asked for a cancel, and the run
-        # becomes `cancelled` once Ray confirms the job has stopped (the reconciler's call).
-        record_event(
-            session,
-            run,
-            type="message",
-            message=f"the worker stopped: {post.error.message if post.error else ''}",
-        )
-        return
-    if run.run_status == RunStatus.QUEUED and new == RunStatus.RUNNING:
-        # The worker can report before the dispatcher has committed `starting`.
-        set_status(session, run, RunStatus.STARTING, message="job accepted by Ray")
-    set_status(
-        session,
-        run,
-        new,
-        message=post.message or "",
-        error_code=post.error.code if post.error else None,
-        error_message=post.error.message if post.error else None,
+    failure = Failure(post.error.code, post.error.message) if post.error else None
+    lifecycle.apply_worker_status(
+        session, run, RunStatus(post.status), message=post.message or "", failure=failure
     )
 
 

@@ -13,72 +13,46 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.services.model_files import checkpoint_parameters
 from app.services.run_rules import CheckedRequest
+from contract.run_request import RunDefinition
 from worker.deepspeed_config import global_batch_size, resolve_deepspeed_config, resolve_precision
-from worker.spec import RunSpec
 
 # A GPU run with precision=auto resolves on the cluster; validation assumes a bf16 GPU.
 ASSUME_BF16_GPU = True
 
 
-def worker_spec(checked: CheckedRequest) -> RunSpec:
-    return RunSpec.from_dict(
-        {**checked.spec, "run_id": "validation", "attempt": 1, "storage_path": ""}
-    )
-
-
 def resolve(checked: CheckedRequest) -> dict[str, Any]:
-    spec = worker_spec(checked)
-    tr = spec.training
-    steps_per_epoch = None
-    if checked.dataset_records is not None:
-        per_step = global_batch_size(spec)
-        steps_per_epoch = checked.dataset_records // per_step
-    total_steps = tr.max_steps or (
-        (tr.epochs or 1) * steps_per_epoch if steps_per_epoch is not None else None
-    )
+    spec = checked.resolved
+    plan = checked.step_plan()
     return {
         "deepspeed_config": resolve_deepspeed_config(spec, bf16_supported=ASSUME_BF16_GPU),
         "precision": resolve_precision(spec, bf16_supported=ASSUME_BF16_GPU),
         "data_parallel_size": spec.data_parallel_size,
         "tensor_parallel_size": spec.deepspeed.tensor_parallel_size,
         "global_batch_size": global_batch_size(spec),
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
+        "steps_per_epoch": plan.steps_per_epoch if plan else None,
+        "total_steps": plan.total_steps if plan else spec.training.max_steps,
     }
 
 
 def estimate(checked: CheckedRequest) -> dict[str, Any]:
-    spec = worker_spec(checked)
-    parameters = count_parameters(spec) if checked.model_config is not None else None
+    spec = checked.resolved
+    parameters = (
+        checkpoint_parameters(Path(spec.model)) if checked.model_config is not None else None
+    )
     return {
         "parameters": parameters,
         "model_states_bytes_per_worker": (
             model_states_bytes(spec, parameters) if parameters is not None else None
         ),
         "tokens_per_step": global_batch_size(spec) * spec.training.seq_length,
-        "method": "ZeRO paper formulas for model states (parameters, gradients, Adam state); "
-        "activations not included",
+        "method": "ZeRO paper formulas for model states (parameters, gradients, Adam state) "
+        "of the parameters in the model's safetensors files; activations not included",
     }
 
 
-def count_parameters(spec: RunSpec) -> int:
-    """Parameters of a local model, counted on the meta device: no weights are read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(Path(spec.model))
-    auto = (
-        AutoModelForSequenceClassification
-        if spec.task == "sequence_classification"
-        else AutoModelForCausalLM
-    )
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def model_states_bytes(spec: RunSpec, parameters: int) -> dict[str, int]:
+def model_states_bytes(spec: RunDefinition, parameters: int) -> dict[str, int]:
     ds = spec.deepspeed
     precision = resolve_precision(spec, bf16_supported=ASSUME_BF16_GPU)
     psi = parameters / ds.tensor_parallel_size

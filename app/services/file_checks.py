@@ -12,8 +12,6 @@ from typing import Any
 # Enough to show the pattern of what is wrong without flooding the response.
 MAX_REPORTED_ERRORS = 20
 
-FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
-
 
 @dataclass(slots=True)
 class FileReport:

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO
 
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.models import File, new_id
-from app.services.file_checks import FORMATS, check_file
+from app.services.file_checks import check_file
+from contract.datasets import FILE_FORMATS, Purpose, file_format
 
-Purpose = Literal["text", "prompt_completion", "sequence_classification"]
 _CHUNK = 1 << 20
-
-
-def required_fields(
-    purpose: Purpose,
-    *,
-    text_field: str,
-    prompt_field: str,
-    completion_field: str,
-    label_field: str,
-    text_pair_field: str | None,
-) -> list[str]:
-    if purpose == "prompt_completion":
-        return [prompt_field, completion_field]
-    if purpose == "sequence_classification":
-        return [text_field, label_field] + ([text_pair_field] if text_pair_field else [])
-    return [text_field]
 
 
 def store_upload(
@@ -43,13 +27,13 @@ def store_upload(
     required: list[str],
     label_field: str | None,
 ) -> File:
-    fmt = FORMATS.get(Path(filename).suffix.lower())
+    fmt = file_format(filename)
     if fmt is None:
         raise ValidationFailed(
             [
                 field_problem(
                     "file",
-                    f"{filename!r}: the file must end in one of {', '.join(sorted(FORMATS))}",
+                    f"{filename!r}: the file must end in one of {', '.join(sorted(FILE_FORMATS))}",
                 )
             ]
         )
@@ -59,7 +43,7 @@ def store_upload(
     partial = final.with_name(final.name + ".partial")
     try:
         size = _copy_limited(stream, partial, max_bytes)
-        report = check_file(partial, fmt=fmt, required=required, label_field=label_field)
+        report = check_file(partial, fmt=fmt.name, required=required, label_field=label_field)
         if report.errors:
             more = [f"… and {report.more_errors} more"] if report.more_errors else []
             raise ValidationFailed(
@@ -72,7 +56,7 @@ def store_upload(
         id=file_id,
         owner_id=owner_id,
         filename=Path(filename).name[:255],
-        format=fmt,
+        format=fmt.name,
         purpose=purpose,
         bytes=size,
         records=report.records,

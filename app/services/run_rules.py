@@ -1,7 +1,7 @@
 """Every rule a run request must meet before any compute is spent, reported all at once.
 
 The schema (types, ranges, unknown fields) is checked by pydantic in
-app/schemas/run_request.py; this module checks what lies between fields and what needs
+contract/run_request.py; this module checks what lies between fields and what needs
 the file system, the uploaded files or the model's own config. Each problem names the
 field it is about and says the rule in words a user can act on.
 """
@@ -15,21 +15,22 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-)
 
 from app.errors import field_problem
 from app.models import File
-from app.schemas.run_request import RunRequest
-from app.services import files
-from app.services.files import Purpose
-from worker.data import LOCAL_BUILDERS, is_local_source
-from worker.deepspeed_config import AUTOTP_ZERO_STAGES
+from app.services.model_files import trainable_model_types
+from contract.datasets import (
+    FILE_FORMATS,
+    fields_read_by,
+    file_format,
+    is_local_source,
+    is_uploaded,
+    local_split_problem,
+)
+from contract.run_request import RunDefinition, RunRequest
+from contract.steps import StepPlan, examples_used
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-FILE_ID_PREFIX = "file_"
 
 Problem = dict[str, str]
 
@@ -39,10 +40,26 @@ class CheckedRequest:
     """The outcome of checking a request: its problems, or the spec the worker will get."""
 
     problems: list[Problem]
+    # What is stored as the run's spec: the request with local paths resolved and an
+    # uploaded file's id replaced by its path; metadata stays with the run.
     spec: dict[str, Any]
     model_config: dict[str, Any] | None = None
     dataset_records: int | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def resolved(self) -> RunDefinition:
+        return RunDefinition.model_validate(self.spec)
+
+    def step_plan(self) -> StepPlan | None:
+        """The worker's own step count, where the service can know it: the examples of an
+        uploaded file (each record is one example), unless packing makes the count depend
+        on the token count. Raises ValueError when the data gives no whole step."""
+        request = self.resolved
+        if self.dataset_records is None or request.training.packing:
+            return None
+        examples = examples_used(self.dataset_records, request.dataset.max_samples)
+        return StepPlan.for_examples(request, examples=examples)
 
 
 def check_run_request(
@@ -51,6 +68,11 @@ def check_run_request(
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
     _check_model(request, checked, allowed_roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
+    if not checked.problems:
+        try:
+            checked.step_plan()
+        except ValueError as exc:
+            checked.problems.append(field_problem("training.batch_size_per_worker", str(exc)))
     return checked
 
 
@@ -66,12 +88,6 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
             "deepspeed.tensor_parallel_size",
             f"tensor_parallel_size ({ds.tensor_parallel_size}) * data-parallel size must equal "
             f"num_workers ({res.num_workers}): num_workers must be a multiple of it",
-        )
-    if ds.tensor_parallel_size > 1 and ds.zero_stage not in AUTOTP_ZERO_STAGES:
-        stages = " or ".join(str(s) for s in AUTOTP_ZERO_STAGES)
-        add(
-            "deepspeed.zero_stage",
-            f"AutoTP (tensor_parallel_size > 1) supports ZeRO stage {stages}, got {ds.zero_stage}",
         )
     if ds.offload_params != "none" and ds.zero_stage != 3:
         add("deepspeed.offload_params", f"offload_params needs zero_stage 3, got {ds.zero_stage}")
@@ -89,15 +105,11 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
             "training.warmup_steps",
             f"warmup_steps ({tr.warmup_steps}) exceeds max_steps ({tr.max_steps})",
         )
-    local = is_local_source(data.source) or data.source.startswith(FILE_ID_PREFIX)
-    for name in ("split", "eval_split"):
-        value = getattr(data, name)
-        if local and value is not None and not value.startswith("train"):
-            add(
-                f"dataset.{name}",
-                f"{name} {value!r}: a local or uploaded dataset is the single split 'train'; "
-                "take parts of it with slices such as 'train[:90%]' and 'train[90%:]'",
-            )
+    if is_local_source(data.source) or is_uploaded(data.source):
+        for name in ("split", "eval_split"):
+            value = getattr(data, name)
+            if value is not None and (problem := local_split_problem(name, value)):
+                add(f"dataset.{name}", problem)
     if req.task == "sequence_classification":
         if data.label_field is None:
             add("dataset.label_field", "task sequence_classification needs dataset.label_field")
@@ -151,12 +163,7 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
     """What the model's config.json says about this request."""
     problems: list[Problem] = []
     model_type = config.get("model_type")
-    supported = (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if req.task == "causal_lm"
-        else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-    )
-    if model_type not in supported:
+    if model_type not in trainable_model_types(req.task):
         problems.append(
             field_problem(
                 "model", f"model type {model_type!r} cannot be trained for task {req.task!r}"
@@ -202,14 +209,15 @@ def _check_dataset(
 ) -> None:
     source = request.dataset.source
     name = "dataset.source"
-    if source.startswith(FILE_ID_PREFIX):
+    if is_uploaded(source):
         upload = session.get(File, source)
         if upload is None or upload.owner_id != owner_id:
             checked.problems.append(field_problem(name, f"no uploaded file {source!r}"))
             return
         checked.spec["dataset"]["source"] = upload.path
         checked.dataset_records = upload.records
-        missing = [f for f in required_fields(request) if f not in upload.fields]
+        missing = [f.name for f in fields_read_by(request.task, request.dataset)]
+        missing = [name for name in missing if name not in upload.fields]
         if missing:
             checked.problems.append(
                 field_problem(
@@ -229,37 +237,12 @@ def _check_dataset(
     if not is_local_source(source):
         return
     path, message = _allowed_local_path(source, allowed_roots)
-    if (
-        message is None
-        and path is not None
-        and path.is_file()
-        and path.suffix not in LOCAL_BUILDERS
-    ):
-        message = f"dataset file {path.name!r} must be one of {', '.join(sorted(LOCAL_BUILDERS))}"
+    if message is None and path is not None and path.is_file() and file_format(path) is None:
+        message = f"dataset file {path.name!r} must be one of {', '.join(sorted(FILE_FORMATS))}"
     if message:
         checked.problems.append(field_problem(name, message))
         return
     checked.spec["dataset"]["source"] = str(path)
-
-
-def required_fields(request: RunRequest) -> list[str]:
-    """The record fields a request's task and format read."""
-    data = request.dataset
-    purpose: Purpose = (
-        "prompt_completion"
-        if data.format == "prompt_completion"
-        else "sequence_classification"
-        if request.task == "sequence_classification"
-        else "text"
-    )
-    return files.required_fields(
-        purpose,
-        text_field=data.text_field,
-        prompt_field=data.prompt_field,
-        completion_field=data.completion_field,
-        label_field=data.label_field or "label",
-        text_pair_field=data.text_pair_field,
-    )
 
 
 def _allowed_local_path(value: str, roots: list[Path]) -> tuple[Path | None, str | None]:

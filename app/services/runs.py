@@ -16,12 +16,11 @@ from sqlalchemy.orm import Session
 
 from app.errors import Conflict, NotFound, ValidationFailed, problems_from_pydantic
 from app.models import Run, new_id
-from app.schemas.run_request import RunRequest
 from app.schemas.run_view import RunFields, ValidationReport
-from app.services import estimates
+from app.services import estimates, lifecycle
 from app.services.run_rules import check_run_request
-from app.services.run_status import record_event
 from app.status import RunStatus
+from contract.run_request import RunRequest
 
 MAX_PAGE = 100
 
@@ -67,7 +66,7 @@ def create_run(
         if earlier is None:
             raise
         return earlier, False
-    record_event(session, run, type="status", status=RunStatus.QUEUED, message="run created")
+    lifecycle.enqueue(session, run)
     return run, True
 
 
@@ -180,15 +179,16 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def queue_position(session: Session, run: RunFields) -> int | None:
-    """1 for the next run to dispatch; None once it left the queue."""
+    """1 for the next run to dispatch; None once it left the queue. The dispatcher's order:
+    when the run, or its current attempt, was queued."""
     if run.status != RunStatus.QUEUED:
         return None
     ahead = session.scalar(
         select(func.count()).where(
             Run.status == RunStatus.QUEUED,
             or_(
-                Run.created_at < run.created_at,
-                and_(Run.created_at == run.created_at, Run.id < run.id),
+                Run.queued_at < run.queued_at,
+                and_(Run.queued_at == run.queued_at, Run.id < run.id),
             ),
         )
     )

@@ -68,7 +68,7 @@ def live(
 ) -> Iterator[LiveService]:
     api = create_app(settings, start_background=False)
     ray = ScriptedRay()
-    api.state.jobs = ray
+    api.state.tuneyard.jobs = ray
     server = uvicorn.Server(
         uvicorn.Config(api, host="127.0.0.1", port=unused_tcp_port, log_level="warning")
     )

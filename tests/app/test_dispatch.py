@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import WORKER_PACKAGE, Dispatcher
+from app.dispatch import JOB_PACKAGES, Dispatcher
 from app.models import Event, Run, utcnow
 from app.ray_jobs import JobState, RayRejected, RayUnavailable
 from app.security import hash_secret
@@ -114,7 +114,8 @@ class TestDispatch:
         assert job["submission_id"] == f"{run_id}-1"
         assert job["entrypoint"] == "python -m worker"
         env = job["runtime_env"]
-        assert env["py_modules"] == [str(WORKER_PACKAGE)]
+        assert [Path(p).name for p in env["py_modules"]] == ["worker", "contract"]
+        assert env["py_modules"] == JOB_PACKAGES
         spec = json.loads(env["env_vars"]["TUNEYARD_RUN_SPEC"])
         assert spec["run_id"] == run_id
         assert spec["attempt"] == 1
@@ -138,11 +139,11 @@ class TestDispatch:
         dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
-        from worker.spec import RunSpec
+        from contract.run_request import RunSpec
 
         _create(client, auth, tmp_path)
         dispatcher.dispatch_queued_runs()
-        spec = RunSpec.from_dict(
+        spec = RunSpec.model_validate(
             json.loads(ray.submitted[0]["runtime_env"]["env_vars"]["TUNEYARD_RUN_SPEC"])
         )
         assert spec.training.max_steps == 5
@@ -378,7 +379,7 @@ class TestReconcile:
             run = session.get(Run, run_id)
             assert run is not None
             run.status = "running"
-            run.spec = {**run.spec, "fault_tolerance": {"max_failures": 0}}
+            run.spec = {**run.spec, "fault_tolerance": {"max_resubmits": 0}}
         ray.states[f"{run_id}-1"] = None
         dispatcher.reconcile_live_runs()
         run = _run(session_factory, run_id)

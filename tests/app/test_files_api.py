@@ -147,14 +147,26 @@ class TestFilesInRuns:
     def test_a_run_can_train_on_an_uploaded_file(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
     ) -> None:
-        upload = client.post(
-            "/v1/files", files={"file": ("d.jsonl", _jsonl({"text": "a b"}))}, headers=auth
-        ).json()
+        rows = _jsonl(*[{"text": f"a b {i}"} for i in range(4)])
+        upload = client.post("/v1/files", files={"file": ("d.jsonl", rows)}, headers=auth).json()
         body = run_request(tmp_path, dataset={"source": upload["id"], "text_field": "text"})
         response = client.post("/v1/runs", json=body, headers=auth)
         assert response.status_code == 201, response.text
         source = response.json()["spec"]["dataset"]["source"]
-        assert Path(source).read_bytes() == _jsonl({"text": "a b"})
+        assert Path(source).read_bytes() == rows
+
+    def test_a_file_too_small_for_one_step_is_refused_before_any_compute(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        rows = _jsonl(*[{"text": f"a b {i}"} for i in range(3)])
+        upload = client.post("/v1/files", files={"file": ("d.jsonl", rows)}, headers=auth).json()
+        # 2 workers x batch 2 need 4 records for one step.
+        body = run_request(tmp_path, dataset={"source": upload["id"], "text_field": "text"})
+        response = client.post("/v1/runs", json=body, headers=auth)
+        assert response.status_code == 422
+        (problem,) = response.json()["detail"]
+        assert problem["field"] == "training.batch_size_per_worker"
+        assert "0 batches per worker per epoch" in problem["message"]
 
     def test_the_file_must_have_the_runs_fields(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path

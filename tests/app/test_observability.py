@@ -44,8 +44,8 @@ def dispatcher(client: TestClient, settings: Settings) -> tuple[Dispatcher, Scri
     """The app's own metrics, fed by a dispatcher over the scripted Ray."""
     ray = ScriptedRay()
     jobs: Any = ray
-    client.app.state.jobs = jobs  # type: ignore[attr-defined]
-    state = client.app.state  # type: ignore[attr-defined]
+    client.app.state.tuneyard.jobs = jobs  # type: ignore[attr-defined]
+    state = client.app.state.tuneyard  # type: ignore[attr-defined]
     return (
         Dispatcher(
             settings=settings,
@@ -139,9 +139,9 @@ class TestPrometheus:
 
         first = create_app(settings, start_background=False)
         second = create_app(settings, start_background=False)
-        first.state.metrics.metric_points.inc(7)
-        assert second.state.metrics.registry is not first.state.metrics.registry
-        assert second.state.metrics.metric_points._value.get() == 0
+        first.state.tuneyard.metrics.metric_points.inc(7)
+        assert second.state.tuneyard.metrics.registry is not first.state.tuneyard.metrics.registry
+        assert second.state.tuneyard.metrics.metric_points._value.get() == 0
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import transaction
 from app.models import Run
 from app.schemas.errors import ErrorResponse
-from app.schemas.run_examples import RUN_REQUEST_EXAMPLES
-from app.schemas.run_request import RunRequest
 from app.services.run_rules import cross_field_problems
+from contract.examples import RUN_REQUEST_EXAMPLES
+from contract.run_request import RunRequest
 from tests.factories import run_request
 
 _METHODS = ("get", "put", "post", "delete", "patch", "options", "head", "trace")

@@ -56,7 +56,7 @@ def _start(
     """Create a run and dispatch it to a scripted Ray that the app also uses."""
     run_id = _create(client, auth, root)
     ray = dispatch_to(ScriptedRay(), settings, session_factory)
-    client.app.state.jobs = ray
+    client.app.state.tuneyard.jobs = ray
     return Live(run_id=run_id, ray=ray, worker=_worker_headers(ray))
 
 
@@ -711,7 +711,7 @@ class TestLogs:
     ) -> None:
         ray = ScriptedRay()
         ray.logs_text = "a log of some other job"
-        client.app.state.jobs = ray
+        client.app.state.tuneyard.jobs = ray
         run_id = _create(client, auth, tmp_path)
         r = client.get(f"/v1/runs/{run_id}/logs", headers=auth)
         assert r.status_code == 200
@@ -720,7 +720,7 @@ class TestLogs:
     def test_no_ray_attached_is_503(
         self, client: TestClient, auth: dict[str, str], live: Live
     ) -> None:
-        client.app.state.jobs = None
+        client.app.state.tuneyard.jobs = None
         r = client.get(f"/v1/runs/{live.run_id}/logs", headers=auth)
         assert r.status_code == 503
         assert r.json()["error"] == "ray_unavailable"
@@ -766,7 +766,7 @@ class TestQueuePosition:
         dispatch_to(ScriptedRay(), one, session_factory)
         assert [_get(client, auth, i)["queue_position"] for i in ids] == [None, 1, 2]
 
-    def test_a_cancelled_run_leaves_the_queue_and_a_resumed_one_rejoins_by_age(
+    def test_a_cancelled_run_leaves_the_queue_and_a_resumed_one_joins_at_the_back(
         self,
         client: TestClient,
         auth: dict[str, str],
@@ -780,5 +780,6 @@ class TestQueuePosition:
         assert [_get(client, auth, i)["queue_position"] for i in ids] == [None, 1, 2]
 
         client.post(f"/v1/runs/{ids[0]}/resume", headers=auth)
-        # Queue order is creation order: a resumed run goes ahead of younger runs.
-        assert [_get(client, auth, i)["queue_position"] for i in ids] == [1, 2, 3]
+        # Queue order is when a run (or its new attempt) was queued: a resumed run does not
+        # jump ahead of younger runs that waited meanwhile.
+        assert [_get(client, auth, i)["queue_position"] for i in ids] == [3, 1, 2]

@@ -13,10 +13,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Run
 from app.settings import Settings
+from contract.run_request import RunSpec
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
 from worker.deepspeed_config import resolve_deepspeed_config
-from worker.spec import RunSpec
 
 MODES: dict[str, dict[str, Any]] = {
     "zero0": {"zero_stage": 0},
@@ -54,7 +54,7 @@ class TestValidate:
         # Now create and dispatch it, and build the config the way the worker does.
         client.post("/v1/runs", json=body, headers=auth)
         ray = dispatch_to(ScriptedRay(), settings, session_factory)
-        spec = RunSpec.from_dict(
+        spec = RunSpec.model_validate(
             json.loads(ray.submitted[0]["runtime_env"]["env_vars"]["TUNEYARD_RUN_SPEC"])
         )
         assert report["resolved"]["deepspeed_config"] == resolve_deepspeed_config(spec)

@@ -156,17 +156,29 @@ def test_autotp_tensor_parallel_llama(
     assert samples[8] * step_time[8] == pytest.approx(8)
 
 
-def test_prompt_completion(service: Service, tiny_model_dir: Path) -> None:
+def test_prompt_completion_from_an_upload_takes_the_steps_validation_counted(
+    service: Service, tiny_model_dir: Path
+) -> None:
     data = write_prompt_completion_dataset(service.data_dir / "pc.jsonl", rows=600)
+    with data.open("rb") as f:
+        upload = service.http.post(
+            "/v1/files", files={"file": ("pc.jsonl", f)}, data={"purpose": "prompt_completion"}
+        ).json()
     body = _request(
         tiny_model_dir,
         data,
-        dataset={"format": "prompt_completion", "text_field": "text"},
-        training={"max_steps": 12},
+        # One epoch of the first 200 records: 100 per data-parallel rank, 12 batches of 8.
+        dataset={"source": upload["id"], "format": "prompt_completion", "max_samples": 200},
+        training={"max_steps": None, "epochs": 1},
     )
+    estimate = service.http.post("/v1/runs/validate", json=body).json()["resolved"]
+    assert (estimate["steps_per_epoch"], estimate["total_steps"]) == (12, 12)
+
     run = service.wait_terminal(service.submit(body)["id"])
     assert_succeeded(service, run)
+    assert run["progress"]["total_steps"] == estimate["total_steps"]
     losses = metric_series(service, run["id"], "loss")
+    assert max(losses) == 12
     assert losses[12] < losses[1] - 0.5
 
 

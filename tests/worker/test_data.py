@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
+from contract.run_request import DatasetSpec
 from tests.worker.conftest import in_memory_dataset, write_jsonl
 from worker.data import CausalLMCollator, load_raw_dataset, tokenize_dataset
-from worker.spec import DatasetSpec
 
 LINES = [
     "The Lions beat the Tigers in Paris on Monday.",

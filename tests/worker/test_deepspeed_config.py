@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from contract.run_request import RunSpec
 from worker.deepspeed_config import global_batch_size, resolve_deepspeed_config, resolve_precision
-from worker.spec import RunSpec
 
 
 def make_spec(**groups: dict[str, Any]) -> RunSpec:
@@ -19,7 +19,7 @@ def make_spec(**groups: dict[str, Any]) -> RunSpec:
         "dataset": {"source": "/data/d.jsonl"},
     }
     data.update(groups)
-    return RunSpec.from_dict(data)
+    return RunSpec.model_validate(data)
 
 
 def offloads_for(stage: int) -> dict[str, Any]:

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from contract.run_request import RunSpec
 from worker.checkpoints import MANIFEST, restore_checkpoint
 from worker.evaluation import _f1, evaluate
-from worker.spec import RunSpec
 
 
 class StandInEngine(torch.nn.Module):
@@ -189,7 +189,7 @@ class TestEvaluateCausalLM:
 
 
 def run_spec(tmp_path: Path, *, zero_stage: int = 2, tensor_parallel_size: int = 1) -> RunSpec:
-    return RunSpec.from_dict(
+    return RunSpec.model_validate(
         {
             "run_id": "run_resume",
             "attempt": 2,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from contract.run_request import DatasetSpec
 from tests.worker.conftest import in_memory_dataset, write_jsonl
 from worker.data import (
     IGNORE_INDEX,
@@ -21,7 +22,6 @@ from worker.data import (
     tokenize_dataset,
     tokenize_prompt_completion,
 )
-from worker.spec import DatasetSpec
 
 PROMPTS = [
     "Where did the Lions beat the Tigers?",

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from worker.spec import RunSpec
-from worker.train_loop import MetricSinks
+from contract.run_request import RunSpec
+from worker.metrics import MetricSinks
 
 
 class _Engine:
@@ -22,7 +22,7 @@ class _Engine:
 
 
 def _sinks() -> MetricSinks:
-    spec = RunSpec.from_dict(
+    spec = RunSpec.model_validate(
         {
             "run_id": "run_x",
             "attempt": 1,

@@ -1,4 +1,10 @@
-"""The training request (`POST /v1/runs`): schema, defaults and the rules between fields.
+"""The run contract: what a client asks for (`RunRequest`) and what a worker trains from
+(`RunSpec`, the same request plus which attempt and where it stores).
+
+The only definition of the request. The service validates `POST /v1/runs` with it and
+reads stored runs back into it; the worker parses its job's spec with it. It imports
+neither torch nor the service, so it ships to the cluster beside the worker (runtime_env
+py_modules) and validating a request never loads torch.
 
 Every field but `model` and `dataset.source` has a default. Unknown fields are refused,
 so a typo never silently falls back to a default. The rules between fields, and those
@@ -7,33 +13,15 @@ that need the file system or settings, live in app/services/run_rules.py.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from app.schemas.run_examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
+from contract.examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
+from contract.job_env import SPEC_ENV
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-# Fields a client may be tempted to send back from a run object; the server owns them.
-SERVER_OWNED_FIELDS = frozenset(
-    {
-        "id",
-        "object",
-        "status",
-        "attempt",
-        "owner",
-        "owner_id",
-        "ray_submission_id",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "progress",
-        "latest_metrics",
-        "error",
-        "output",
-    }
-)
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=256)]
@@ -122,20 +110,32 @@ class CheckpointingSpec(BaseModel):
 
 
 class FaultToleranceSpec(BaseModel):
+    """Two budgets for two kinds of failure; a resume by request counts against neither."""
+
     model_config = _strict
 
-    max_failures: int = Field(default=1, ge=0, le=100)
-
-
-class RunRequest(BaseModel):
-    """A fine-tuning run as a client asks for it."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        allow_inf_nan=False,
-        protected_namespaces=(),
-        json_schema_extra={"examples": [GPT2_ZERO3, QWEN_AUTOTP, BERT_MRPC_ZERO3]},
+    max_failures: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Inside one Ray job: how many times Ray Train restarts the worker group "
+        "from the latest checkpoint after a worker dies (Ray's FailureConfig.max_failures).",
     )
+    max_resubmits: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Across jobs: how many new attempts (new Ray jobs, resuming from the "
+        "latest checkpoint) the service starts when Ray loses a job or the cluster fails "
+        "under it. Counted anew after a resume by request.",
+    )
+
+
+class RunDefinition(BaseModel):
+    """What a run trains: everything a request says but its metadata. Stored as the run's
+    `spec`, with local paths resolved and an uploaded file's id replaced by its path."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
 
     model: str = Field(min_length=1, description="A hub model id or a local model folder.")
     task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
@@ -145,8 +145,48 @@ class RunRequest(BaseModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpointing: CheckpointingSpec = Field(default_factory=CheckpointingSpec)
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.resources.num_workers // self.deepspeed.tensor_parallel_size
+
+
+class RunRequest(RunDefinition):
+    """A fine-tuning run as a client asks for it (`POST /v1/runs`)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        protected_namespaces=(),
+        json_schema_extra={"examples": [GPT2_ZERO3, QWEN_AUTOTP, BERT_MRPC_ZERO3]},
+    )
+
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)
 
     def worker_fields(self) -> dict[str, Any]:
-        """The part of the request the worker trains from (metadata stays with the service)."""
+        """The run's definition as stored (metadata is kept beside it, with the service)."""
         return self.model_dump(mode="json", exclude={"metadata"})
+
+
+class RunSpec(RunDefinition):
+    """One attempt of a run as its worker trains it: the run's definition, and which
+    attempt and where its checkpoints and exports go (added by the dispatcher)."""
+
+    run_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1)
+    storage_path: str
+
+    @classmethod
+    def for_attempt(
+        cls, worker_fields: dict[str, Any], *, run_id: str, attempt: int, storage_path: str
+    ) -> RunSpec:
+        return cls.model_validate(
+            {**worker_fields, "run_id": run_id, "attempt": attempt, "storage_path": storage_path}
+        )
+
+    @classmethod
+    def from_env(cls) -> RunSpec:
+        raw = os.environ.get(SPEC_ENV)
+        if not raw:
+            raise RuntimeError(f"{SPEC_ENV} is not set: this entry point runs as a tuneyard job")
+        return cls.model_validate_json(raw)

@@ -1,0 +1,311 @@
+"""A run's lifecycle: every status change tuneyard makes, by name, behind one guard.
+
+The transition table below is the only guard: `_move` is the one writer of `Run.status`
+and refuses whatever the table does not allow. The named transitions say why a run moves
+(claimed by a dispatcher, started, lost and queued again as a new attempt, settled,
+cancelled, resumed), and the two `apply_*` functions turn what the worker and Ray report
+into those transitions. Callers hold the run's row (or, for `claim`, its compare-and-set)
+in their transaction and do any Ray calls outside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from app.errors import Conflict, InvalidTransition
+from app.models import Event, Run, utcnow
+from app.status import RunStatus
+
+log = logging.getLogger("tuneyard")
+
+Q, S, R, C = RunStatus.QUEUED, RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING
+OK, FAILED, CANCELLED = RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED
+
+_ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
+    Q: frozenset({S, FAILED, CANCELLED}),
+    # starting → queued: Ray accepted nothing (unreachable), or the attempt was lost.
+    # A fast job can finish before the dispatcher sees it running, hence starting → terminal.
+    S: frozenset({Q, R, C, OK, FAILED}),
+    R: frozenset({Q, C, OK, FAILED}),  # → queued: Ray lost the job, a new attempt
+    C: frozenset({CANCELLED, FAILED, OK}),
+    # Terminal states never change, except that resume starts a new attempt.
+    FAILED: frozenset({Q}),
+    CANCELLED: frozenset({Q}),
+    OK: frozenset(),
+}
+
+
+def can_transition(current: RunStatus, new: RunStatus) -> bool:
+    return new in _ALLOWED[current]
+
+
+def record_event(
+    session: Session, run: Run, *, type: str, message: str, status: str | None = None
+) -> Event:
+    event = Event(run_id=run.id, attempt=run.attempt, type=type, status=status, message=message)
+    session.add(event)
+    return event
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    code: str
+    message: str
+
+
+def _move(
+    session: Session,
+    run: Run,
+    new: RunStatus,
+    *,
+    message: str = "",
+    failure: Failure | None = None,
+    new_attempt: bool = False,
+) -> None:
+    """The one writer of `run.status`; refuses what the table does not allow."""
+    current = run.run_status
+    if current == new and not new_attempt:
+        return
+    if not can_transition(current, new):
+        raise InvalidTransition(f"run {run.id} is {current}; it cannot become {new}")
+    now = utcnow()
+    run.status = new
+    if new_attempt:
+        # The old attempt's outcome is history now; the new one queues from now.
+        run.attempt += 1
+        run.queued_at = now
+        run.finished_at = None
+        run.error_code = None
+        run.error_message = None
+        run.ray_submission_id = None
+        run.callback_token_hash = None
+    if new == RunStatus.RUNNING and run.started_at is None:
+        run.started_at = now
+    if new.is_terminal():
+        run.finished_at = now
+        run.callback_token_hash = None  # a finished run's worker has nothing more to say
+    if failure is not None:
+        run.error_code = failure.code
+        run.error_message = failure.message
+    text = message or (failure.message if failure else "")
+    record_event(session, run, type="status", status=new, message=text)
+    log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
+
+
+# -- the named transitions ----------------------------------------------------------------
+
+
+def enqueue(session: Session, run: Run) -> None:
+    """A new run entered the queue: its row was just added as `queued`, and `queued_at`
+    defaults to the time of that insert."""
+    record_event(session, run, type="status", status=RunStatus.QUEUED, message="run created")
+
+
+def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
+    """queued → starting for one dispatcher only: a compare-and-set on the status, so two
+    service replicas never both submit a run. None when a peer took it (or it was cancelled)."""
+    assert can_transition(RunStatus.QUEUED, RunStatus.STARTING)
+    claimed = session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.status == RunStatus.QUEUED)
+        .values(status=RunStatus.STARTING, callback_token_hash=token_hash)
+        .execution_options(synchronize_session=False)
+    )
+    if claimed.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    run.ray_submission_id = f"{run.id}-{run.attempt}"
+    record_event(
+        session,
+        run,
+        type="status",
+        status=RunStatus.STARTING,
+        message=f"submitting Ray job {run.ray_submission_id}",
+    )
+    return run
+
+
+def unclaim(session: Session, run: Run, *, reason: str) -> None:
+    """starting → queued, same attempt, same place in the queue: Ray accepted nothing."""
+    _move(session, run, RunStatus.QUEUED, message=reason)
+
+
+def start(session: Session, run: Run, *, message: str = "") -> None:
+    """The worker is running. It may report before the dispatcher committed `starting`."""
+    if run.run_status == RunStatus.QUEUED:
+        _move(session, run, RunStatus.STARTING, message="job accepted by Ray")
+    _move(session, run, RunStatus.RUNNING, message=message)
+
+
+def attempts_remain(run: Run) -> bool:
+    """Whether the service may start another attempt after Ray lost this one."""
+    return run.resubmits < run.definition.fault_tolerance.max_resubmits
+
+
+def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
+    """The attempt was lost under the run (the head restarted, a node died): a new attempt
+    that resumes from the latest checkpoint, while fault_tolerance.max_resubmits allows."""
+    if not attempts_remain(run):
+        settle(
+            session,
+            run,
+            RunStatus.FAILED,
+            failure=Failure(
+                "lost", f"{reason}; no attempts remain (fault_tolerance.max_resubmits)"
+            ),
+        )
+        return
+    if run.run_status == RunStatus.STARTING:
+        # starting → queued alone would mean "Ray accepted nothing"; this attempt did run.
+        _move(session, run, RunStatus.RUNNING, message="the worker had started")
+    run.resubmits += 1
+    _move(
+        session,
+        run,
+        RunStatus.QUEUED,
+        new_attempt=True,
+        message=f"{reason}; attempt {run.attempt + 1} resumes from the latest checkpoint",
+    )
+
+
+def settle(
+    session: Session,
+    run: Run,
+    outcome: RunStatus,
+    *,
+    message: str = "",
+    failure: Failure | None = None,
+) -> None:
+    """The run ends: succeeded, failed or cancelled. A run already ended stays as it is."""
+    assert outcome.is_terminal()
+    if not run.run_status.is_terminal():
+        _move(session, run, outcome, message=message, failure=failure)
+
+
+def request_cancel(session: Session, run: Run) -> str | None:
+    """Queued → cancelled at once; live → cancelling, then cancelled once Ray confirms the
+    stop (the reconciler watches). Repeating a cancel is harmless. Returns the Ray job the
+    caller should stop once this is committed, if any."""
+    status = run.run_status
+    if status in (RunStatus.CANCELLING, RunStatus.CANCELLED):
+        return None
+    if status.is_terminal():
+        raise Conflict(f"run {run.id} is {status}; only a queued or live run can be cancelled")
+    if status == RunStatus.QUEUED:
+        _move(session, run, RunStatus.CANCELLED, message="cancelled before it started")
+        return None
+    _move(session, run, RunStatus.CANCELLING, message="cancel requested")
+    return run.ray_submission_id
+
+
+def resume(session: Session, run: Run) -> None:
+    """A failed or cancelled run starts a new attempt under the same Ray Train storage name,
+    so Ray Train picks up its latest checkpoint and the step count continues. It joins the
+    back of the queue, and its budget of automatic resubmits starts anew."""
+    status = run.run_status
+    if status not in (RunStatus.FAILED, RunStatus.CANCELLED):
+        raise Conflict(f"run {run.id} is {status}; only a failed or cancelled run can be resumed")
+    run.resubmits = 0
+    _move(
+        session,
+        run,
+        RunStatus.QUEUED,
+        new_attempt=True,
+        message=f"resumed by request: attempt {run.attempt + 1}",
+    )
+
+
+# -- what the worker and Ray report ---------------------------------------------------------
+
+
+def apply_worker_status(
+    session: Session,
+    run: Run,
+    status: RunStatus,
+    *,
+    message: str = "",
+    failure: Failure | None = None,
+) -> None:
+    """A status the attempt's worker posted."""
+    current = run.run_status
+    if status == RunStatus.RUNNING:
+        if current != RunStatus.CANCELLING:  # a late "running" must not undo a cancel request
+            start(session, run, message=message)
+        return
+    if status == RunStatus.FAILED and current == RunStatus.CANCELLING:
+        # Stopping a job makes its workers fail. The user asked for a cancel, and the run
+        # becomes `cancelled` once Ray confirms the job has stopped (the reconciler's call).
+        record_event(
+            session,
+            run,
+            type="message",
+            message=f"the worker stopped: {failure.message if failure else ''}",
+        )
+        return
+    if status == RunStatus.FAILED and failure is not None and failure.code == "cluster_error":
+        # Ray failed under the run (the head or a node went away), not the training.
+        requeue_or_fail(
+            session,
+            run,
+            reason=f"lost: the cluster failed under attempt {run.attempt} ({failure.message})",
+        )
+        return
+    _move(session, run, status, message=message, failure=failure)
+
+
+class RayVerdict(enum.Enum):
+    """What the dispatcher must do with Ray after `apply_ray_state` is committed."""
+
+    NOTHING = "nothing"
+    STOP_JOB = "stop_job"  # a cancelled run's job still runs: ask Ray again
+    RESUBMIT = "resubmit"  # Ray never received a starting run's job
+
+
+def apply_ray_state(
+    session: Session,
+    run: Run,
+    ray_status: str | None,
+    *,
+    ray_message: str = "",
+    job_failure: str = "",
+    submit_grace_over: bool = False,
+) -> RayVerdict:
+    """Settle what callbacks missed, from Ray's view of the run's job (`ray_status` is
+    Ray's JobStatus, None when Ray has never heard of the job)."""
+    cancelling = run.run_status == RunStatus.CANCELLING
+    if ray_status is None:
+        if run.run_status == RunStatus.STARTING:
+            # Never submitted (the service died before submitting), or not yet.
+            return RayVerdict.RESUBMIT if submit_grace_over else RayVerdict.NOTHING
+        if cancelling:
+            settle(session, run, RunStatus.CANCELLED, message="the Ray job is gone")
+        else:
+            requeue_or_fail(
+                session,
+                run,
+                reason=f"lost: Ray no longer knows job {run.ray_submission_id} "
+                "(the head restarted?)",
+            )
+    elif ray_status == "FAILED":
+        if cancelling:
+            settle(session, run, RunStatus.CANCELLED, message="the Ray job ended")
+        else:
+            settle(session, run, RunStatus.FAILED, failure=Failure("job_failed", job_failure))
+    elif ray_status == "STOPPED":
+        if cancelling:
+            settle(session, run, RunStatus.CANCELLED, message="Ray stopped the job")
+        else:
+            failure = Failure("stopped", f"the Ray job was stopped: {ray_message}")
+            settle(session, run, RunStatus.FAILED, failure=failure)
+    elif ray_status == "SUCCEEDED":
+        # The entry point exits 0 only after training and export finished.
+        settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+    elif cancelling:
+        return RayVerdict.STOP_JOB
+    return RayVerdict.NOTHING

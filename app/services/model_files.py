@@ -1,0 +1,74 @@
+"""What a local model folder says about a run, read without importing torch.
+
+Validating a request must stay cheap in the service process: importing transformers'
+model registry (or any transformers config class) imports torch, hundreds of MB and
+seconds of start-up. So the two facts validation needs are read from files instead:
+which model types transformers can train for a task (its own registry, parsed as data
+from the installed source), and how many parameters the checkpoint holds (safetensors
+headers, which record every tensor's shape in plain JSON).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+import math
+import struct
+from pathlib import Path
+
+# transformers' registry tables, by task (transformers/models/auto/modeling_auto.py).
+_TASK_TABLES = {
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+}
+# A safetensors file starts with the length of its JSON header as a little-endian u64.
+_HEADER_LENGTH = struct.Struct("<Q")
+# Far above any real header; a corrupt length must not make us read gigabytes.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@functools.cache
+def trainable_model_types(task: str) -> frozenset[str]:
+    """The `model_type`s transformers has an auto class for `task` (causal LM or
+    sequence classification), as the installed version lists them."""
+    spec = importlib.util.find_spec("transformers")
+    assert spec is not None and spec.submodule_search_locations
+    source = Path(spec.submodule_search_locations[0]) / "models" / "auto" / "modeling_auto.py"
+    wanted = _TASK_TABLES[task]
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == wanted for t in node.targets)
+            and isinstance(node.value, ast.Call)
+            and node.value.args
+        ):
+            pairs = ast.literal_eval(node.value.args[0])
+            return frozenset(model_type for model_type, _ in pairs)
+    raise RuntimeError(f"{wanted} not found in {source}: transformers changed its registry")
+
+
+def checkpoint_parameters(folder: Path) -> int | None:
+    """Parameters stored in a save_pretrained folder's safetensors files, or None when it
+    has none (a pickled pytorch_model.bin cannot be read without torch)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    return sum(_tensor_elements(path) for path in files)
+
+
+def _tensor_elements(path: Path) -> int:
+    with path.open("rb") as f:
+        (length,) = _HEADER_LENGTH.unpack(f.read(_HEADER_LENGTH.size))
+        if length > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path.name} is not a safetensors file")
+        header = json.loads(f.read(length))
+    return sum(
+        math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+    )

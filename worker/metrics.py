@@ -1,0 +1,159 @@
+"""The worker's metrics: one interface (`log_step`, `log_eval`, `event`, `flush`, `close`)
+in front of the reductions every rank joins and the service, which rank 0 posts to."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from contract.run_request import RunSpec
+from worker.host_group import host_group
+from worker.service_client import MetricsSender, ServiceClient
+
+
+class MetricSinks:
+    """Rank 0 sends metrics to the service; every rank joins the reductions they need.
+
+    A step's reduction runs in the background while the next step trains, and its metrics
+    go out when the next step is logged (or at `flush`): a blocking all-reduce would make
+    every rank wait for the slowest once more per step.
+    """
+
+    def __init__(self, spec: RunSpec, *, rank: int) -> None:
+        import psutil
+
+        self.spec = spec
+        # Made here because every rank builds its sinks at the same point (a collective).
+        self.group = host_group()
+        self._latest: dict[str, float] = {}
+        self.client: ServiceClient | None = None
+        self.sender: MetricsSender | None = None
+        self._progress: dict[str, Any] = {}
+        self._process = psutil.Process()
+        # A logged step whose all-reduce is still in flight.
+        self._pending: _PendingStep | None = None
+        # Process CPU time at the previous logged step: CPU seconds per step count every
+        # thread of this rank (training, communication, metric posting) and, unlike
+        # wall-clock time, not the time others' processes hold the cores.
+        self._cpu_mark: tuple[int, float] | None = None
+        if rank == 0:
+            self.client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
+            self.sender = MetricsSender(self.client)
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The metrics of the last logged step, complete."""
+        self._complete_pending()
+        return self._latest
+
+    def log_step(
+        self,
+        engine: Any,
+        *,
+        step: int,
+        epoch: float,
+        elapsed: float,
+        loss_sum: Any,
+        tokens: int,
+        samples: int,
+        total_steps: int,
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        cpu_now = time.process_time()
+        # What only this rank knows now; the reduced sums follow when the reduction lands.
+        local = {
+            "learning_rate": float(engine.get_lr()[0]),
+            "step_time_seconds": elapsed,
+            "epoch": epoch,
+            "memory_rss_bytes": float(self._process.memory_info().rss),
+        }
+        if self._cpu_mark is not None and step > self._cpu_mark[0]:
+            last_step, last_cpu = self._cpu_mark
+            local["cpu_seconds_per_step"] = (cpu_now - last_cpu) / (step - last_step)
+        self._cpu_mark = (step, cpu_now)
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:
+            local["grad_norm"] = float(grad_norm)
+        if torch.cuda.is_available():
+            local["gpu_memory_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+        # One all-reduce for all three, so the logged loss is the global mean, not rank 0's.
+        totals = torch.stack(
+            [
+                loss_sum.to(torch.float64).cpu(),
+                torch.tensor(float(tokens), dtype=torch.float64),
+                torch.tensor(float(samples), dtype=torch.float64),
+            ]
+        )
+        self._complete_pending()
+        work, world = None, 1
+        if dist.is_initialized():
+            work = dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            world = dist.get_world_size()
+        self._pending = _PendingStep(
+            work=work,
+            totals=totals,
+            world=world,
+            local=local,
+            progress={"step": step, "total_steps": total_steps, "epoch": epoch},
+        )
+
+    def _complete_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.work is not None:
+            pending.work.wait()
+        totals = pending.totals
+        accum = self.spec.training.gradient_accumulation_steps
+        # The ranks of a tensor-parallel group train on the same batch: count it once.
+        tp = self.spec.deepspeed.tensor_parallel_size
+        elapsed = pending.local["step_time_seconds"]
+        metrics = {
+            "loss": float(totals[0]) / (accum * pending.world),
+            "tokens_per_second": float(totals[1]) / tp / elapsed,
+            "samples_per_second": float(totals[2]) / tp / elapsed,
+            **pending.local,
+        }
+        self._latest = metrics
+        self._progress = pending.progress
+        if self.sender is not None:
+            self.sender.log(metrics, step=pending.progress["step"], progress=self._progress)
+
+    def log_eval(self, metrics: dict[str, float], *, step: int) -> None:
+        self._complete_pending()
+        self._latest = {**self._latest, **metrics}
+        if self.sender is not None:
+            self.sender.log(metrics, step=step, progress=self._progress or {"step": step})
+
+    def event(self, type: str, message: str) -> None:
+        """One try, no retries: these are informational and must not delay training."""
+        if self.client is not None:
+            self.client.event(type, message, attempts=1)
+
+    def flush(self) -> None:
+        """Before a checkpoint: every step up to it is delivered, so a restart from that
+        checkpoint (which re-trains and re-logs what came after) loses no step's metrics."""
+        self._complete_pending()
+        if self.sender is not None:
+            self.sender.flush()
+
+    def close(self) -> None:
+        # A reduction still in flight here belongs to a failed run (a clean end flushes
+        # first); waiting on it could hang on a peer that is gone, so it is dropped.
+        self._pending = None
+        if self.sender is not None:
+            self.sender.close()
+        if self.client is not None:
+            self.client.close()
+
+
+@dataclass(slots=True)
+class _PendingStep:
+    work: Any  # the all-reduce's handle, or None without a process group
+    totals: Any  # loss, tokens, samples: summed over ranks once `work` completes
+    world: int
+    local: dict[str, float]
+    progress: dict[str, Any]
