@@ -95,7 +95,7 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
     from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
     from contract.run_request import RunSpec
     from worker.metrics import MetricSinks
-    from worker.train_loop import build_training, train_step
+    from worker.train_loop import batches_from, build_training, train_step
 
     # Ray gives a 1-CPU worker one OpenMP thread; do the same for both sides.
     torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
 
     spec = RunSpec.model_validate(config["spec"])
     training = build_training(spec, rank=rank)
-    tuneyard_batches = training.plan.batches_from(training.data.train, 0)
+    tuneyard_batches = batches_from(training.plan, training.data.train, 0)
     sinks = MetricSinks(spec, rank=rank)
     steps = config["steps"]
     done = 0
@@ -131,8 +131,12 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
     def tuneyard_step() -> None:
         nonlocal done
         started = time.perf_counter()
-        loss_sum, tokens, samples = train_step(
-            training.engine, tuneyard_batches, accum=1, device=training.device
+        result = train_step(
+            training.engine,
+            tuneyard_batches,
+            spec=spec,
+            device=training.device,
+            group=sinks.group,
         )
         done += 1
         sinks.log_step(
@@ -140,9 +144,7 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
             step=done,
             epoch=training.plan.epoch_at(done),
             elapsed=time.perf_counter() - started,
-            loss_sum=loss_sum,
-            tokens=tokens,
-            samples=samples,
+            result=result,
             total_steps=steps,
         )
 

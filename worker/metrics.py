@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contract.run_request import RunSpec
 from worker.host_group import host_group
 from worker.service_client import MetricsSender, ServiceClient
+
+if TYPE_CHECKING:
+    from worker.train_loop import StepResult
 
 
 class MetricSinks:
@@ -54,9 +57,7 @@ class MetricSinks:
         step: int,
         epoch: float,
         elapsed: float,
-        loss_sum: Any,
-        tokens: int,
-        samples: int,
+        result: StepResult,
         total_steps: int,
     ) -> None:
         import torch
@@ -79,23 +80,22 @@ class MetricSinks:
             local["grad_norm"] = float(grad_norm)
         if torch.cuda.is_available():
             local["gpu_memory_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
-        # One all-reduce for all three, so the logged loss is the global mean, not rank 0's.
+        # One all-reduce for all three: each rank holds its part of the step's mean loss
+        # (worker/step_loss.py), so their sum is the step's loss over every rank.
         totals = torch.stack(
             [
-                loss_sum.to(torch.float64).cpu(),
-                torch.tensor(float(tokens), dtype=torch.float64),
-                torch.tensor(float(samples), dtype=torch.float64),
+                result.loss.to(torch.float64).cpu(),
+                torch.tensor(float(result.tokens), dtype=torch.float64),
+                torch.tensor(float(result.samples), dtype=torch.float64),
             ]
         )
         self._complete_pending()
-        work, world = None, 1
+        work = None
         if dist.is_initialized():
             work = dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            world = dist.get_world_size()
         self._pending = _PendingStep(
             work=work,
             totals=totals,
-            world=world,
             local=local,
             progress={"step": step, "total_steps": total_steps, "epoch": epoch},
         )
@@ -107,12 +107,11 @@ class MetricSinks:
         if pending.work is not None:
             pending.work.wait()
         totals = pending.totals
-        accum = self.spec.training.gradient_accumulation_steps
         # The ranks of a tensor-parallel group train on the same batch: count it once.
         tp = self.spec.deepspeed.tensor_parallel_size
         elapsed = pending.local["step_time_seconds"]
         metrics = {
-            "loss": float(totals[0]) / (accum * pending.world),
+            "loss": float(totals[0]) / tp,
             "tokens_per_second": float(totals[1]) / tp / elapsed,
             "samples_per_second": float(totals[2]) / tp / elapsed,
             **pending.local,
@@ -154,6 +153,5 @@ class MetricSinks:
 class _PendingStep:
     work: Any  # the all-reduce's handle, or None without a process group
     totals: Any  # loss, tokens, samples: summed over ranks once `work` completes
-    world: int
     local: dict[str, float]
     progress: dict[str, Any]

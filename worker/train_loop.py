@@ -108,9 +108,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     tr = spec.training
     while step < plan.total_steps:
         started = time.perf_counter()
-        loss_sum, tokens, samples = train_step(
-            engine, batches, accum=tr.gradient_accumulation_steps, device=training.device
-        )
+        result = train_step(engine, batches, spec=spec, device=training.device, group=sinks.group)
         step += 1
         if step % tr.log_every_n_steps == 0 or step == plan.total_steps:
             sinks.log_step(
@@ -118,9 +116,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
                 step=step,
                 epoch=plan.epoch_at(step),
                 elapsed=time.perf_counter() - started,
-                loss_sum=loss_sum,
-                tokens=tokens,
-                samples=samples,
+                result=result,
                 total_steps=plan.total_steps,
             )
         if tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps:
@@ -150,23 +146,42 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             )
 
 
+@dataclass(slots=True)
+class StepResult:
+    loss: Any  # this rank's part of the step's mean loss (a tensor: no sync here)
+    tokens: int  # input tokens this rank trained on
+    samples: int
+
+
 def train_step(
-    engine: Any, batches: Iterator[dict[str, Any]], *, accum: int, device: Any
-) -> tuple[Any, int, int]:
-    """One optimizer step of `accum` micro-batches: their summed loss (a tensor, so no
-    sync here), and the tokens and samples they held."""
+    engine: Any,
+    batches: Iterator[dict[str, Any]],
+    *,
+    spec: RunSpec,
+    device: Any,
+    group: Any,
+) -> StepResult:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches, its loss the
+    mean over all the step's targets on every rank (worker/step_loss.py)."""
     import torch
 
-    loss_sum, tokens, samples = torch.zeros((), device=device), 0, 0
-    for _ in range(accum):
-        batch = {k: v.to(device) for k, v in next(batches).items()}
-        loss = engine(**batch).loss
-        engine.backward(loss)
+    from worker import step_loss
+
+    micro_batches = [next(batches) for _ in range(spec.training.gradient_accumulation_steps)]
+    counts = [step_loss.targets_in(b, task=spec.task) for b in micro_batches]
+    total = step_loss.step_targets(
+        sum(counts), group=group, tensor_parallel_size=spec.deepspeed.tensor_parallel_size
+    )
+    result = StepResult(loss=torch.zeros((), device=device), tokens=0, samples=0)
+    for batch, targets in zip(micro_batches, counts, strict=True):
+        result.tokens += int(batch["attention_mask"].sum())
+        result.samples += batch["input_ids"].shape[0]
+        out = engine(**{k: v.to(device) for k, v in batch.items()})
+        share = step_loss.step_share(out.loss, targets=targets, step_targets=total)
+        step_loss.backward(engine, share, data_parallel_size=spec.data_parallel_size)
         engine.step()
-        loss_sum += loss.detach().float()
-        tokens += int(batch["attention_mask"].sum())
-        samples += batch["input_ids"].shape[0]
-    return loss_sum, tokens, samples
+        result.loss += share.detach().float()
+    return result
 
 
 def _device(spec: RunSpec) -> Any:

@@ -8,6 +8,7 @@ import torch
 
 from contract.run_request import RunSpec
 from worker.metrics import MetricSinks
+from worker.train_loop import StepResult
 
 
 class _Engine:
@@ -41,9 +42,7 @@ def _log(sinks: MetricSinks, engine: Any, *, step: int, loss: float) -> None:
         step=step,
         epoch=0.5,
         elapsed=0.5,
-        loss_sum=torch.tensor(loss),
-        tokens=100,
-        samples=4,
+        result=StepResult(loss=torch.tensor(loss), tokens=100, samples=4),
         total_steps=3,
     )
 
@@ -93,7 +92,8 @@ def _rank_reduces_beside_training(rank: int, port: int, out: str) -> None:
         training = None
         if rank == 1:
             training = dist.all_reduce(gradients, async_op=True)
-        _log(sinks, _Engine(), step=1, loss=2.0 + 2 * rank)
+        # Each rank holds its part of the step's mean loss: 1.0 and 2.0.
+        _log(sinks, _Engine(), step=1, loss=1.0 + rank)
         latest = sinks.latest
         if rank == 0:
             dist.all_reduce(gradients)
@@ -123,6 +123,6 @@ def test_metric_reduction_has_its_own_process_group(tmp_path: Any) -> None:
     mp.spawn(_rank_reduces_beside_training, args=(port, out), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank.{rank}").read_text())
-        assert result["loss"] == 3.0  # mean of 2.0 and 4.0
+        assert result["loss"] == 3.0  # the parts' sum
         assert result["tokens_per_second"] == 400.0  # 2 x 100 tokens in 0.5 s
         assert result["gradient"] == 3.0  # 1 + 2
