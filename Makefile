@@ -21,9 +21,9 @@ demo: setup
 	$(BIN)/tuneyard demo
 
 lint: setup
-	$(BIN)/ruff check app worker tests bench
-	$(BIN)/ruff format --check app worker tests bench
-	$(BIN)/mypy app worker
+	$(BIN)/ruff check app worker contract tests bench
+	$(BIN)/ruff format --check app worker contract tests bench
+	$(BIN)/mypy app worker contract
 
 test: lint
 	$(BIN)/python -m pytest

@@ -1,12 +1,14 @@
 """Evaluation on the eval split: loss and perplexity, or accuracy and F1 for classification.
 
 Every rank evaluates its shard; sums are all-reduced, so the numbers are over the whole
-split.
+split: the loss is the mean over every target of the split (tokens, or examples for
+classification), as a training step's is (worker/step_loss.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from worker.data import IGNORE_INDEX
@@ -24,22 +26,29 @@ def evaluate(
     # loss sum, its weight, correct, count; then per class: true pos., false pos., false neg.
     totals = torch.zeros(4 + 3 * num_labels, dtype=torch.float64)
     with torch.no_grad():
-        for batch in loader:
+        for batch, real in zip(loader, _real_rows(loader), strict=False):
+            if real < batch["labels"].shape[0]:
+                # Rows the sampler repeated so that every rank runs as many forwards.
+                batch = {**batch, "labels": batch["labels"].clone()}
+                batch["labels"][real:] = IGNORE_INDEX
             batch = {k: v.to(device) for k, v in batch.items()}
             out = engine(**batch)
             labels = batch["labels"]
             if task == "sequence_classification":
+                valid = labels != IGNORE_INDEX
+                count = int(valid.sum())
+                if not count:
+                    continue
                 predicted = out.logits.argmax(dim=-1)
-                totals[0] += float(out.loss) * labels.numel()
-                totals[1] += labels.numel()
-                totals[2] += float((predicted == labels).sum())
-                totals[3] += labels.numel()
+                totals[0] += float(out.loss) * count
+                totals[1] += count
+                totals[2] += float(((predicted == labels) & valid).sum())
+                totals[3] += count
                 for c in range(num_labels):
-                    totals[4 + c] += float(((predicted == c) & (labels == c)).sum())
-                    totals[4 + num_labels + c] += float(((predicted == c) & (labels != c)).sum())
-                    totals[4 + 2 * num_labels + c] += float(
-                        ((predicted != c) & (labels == c)).sum()
-                    )
+                    hit, said = valid & (labels == c), valid & (predicted == c)
+                    totals[4 + c] += float((said & hit).sum())
+                    totals[4 + num_labels + c] += float((said & ~hit).sum())
+                    totals[4 + 2 * num_labels + c] += float((hit & ~said).sum())
             else:
                 # HF shifts labels by one inside the model; weigh each batch by its targets.
                 targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -60,6 +69,26 @@ def evaluate(
     # Binary tasks (MRPC and the like) report F1 of the positive class, as GLUE does.
     metrics["eval_f1"] = f1[1] if num_labels == 2 else sum(f1) / num_labels
     return metrics
+
+
+def _real_rows(loader: Any) -> Iterator[int]:
+    """How many leading rows of each batch are examples of their own.
+
+    An unshuffled DistributedSampler pads the split with repeats of its first examples
+    until every rank has as many; rank r's k-th row is the example at r + k * ranks, a
+    repeat once that reaches the split's length. Anything else yields whole batches."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.shuffle:
+        while True:
+            yield 1 << 62
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    rank, ranks, batch_size = sampler.rank, sampler.num_replicas, loader.batch_size
+    k = 0
+    while True:
+        yield sum(1 for j in range(batch_size) if rank + (k + j) * ranks < size)
+        k += batch_size
 
 
 def _f1(tp: float, fp: float, fn: float) -> float:

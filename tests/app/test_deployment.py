@@ -368,7 +368,14 @@ class TestImage:
         image also carries the migrations it applies at start (see app/migrate.py)."""
         for name, steps in builds.items():
             copied = " ".join(rest for instruction, rest in steps if instruction == "COPY")
-            for needed in ("pyproject.toml", "app", "worker", "alembic.ini", "migrations"):
+            for needed in (
+                "pyproject.toml",
+                "app",
+                "worker",
+                "contract",
+                "alembic.ini",
+                "migrations",
+            ):
                 assert re.search(rf"(^|\s|/){re.escape(needed)}(\s|/|$)", copied), (
                     f"{name}: the image does not copy {needed}"
                 )

@@ -164,3 +164,32 @@ class TestValidate:
 
     def test_needs_an_api_key(self, client: TestClient, tmp_path: Path) -> None:
         assert client.post("/v1/runs/validate", json=run_request(tmp_path)).status_code == 401
+
+
+def test_validating_a_request_does_not_load_torch(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The service validates with the contract, the safetensors headers and transformers'
+    registry read as data: a fresh service process answers /validate without torch."""
+    import subprocess
+    import sys
+
+    body = _tiny_request(tmp_path, tiny_model_dir)
+    script = f"""
+import json, sys
+from fastapi.testclient import TestClient
+from app.main import create_app
+from app.settings import Settings
+
+settings = Settings(home={str(tmp_path / "fresh")!r}, auth="disabled",
+                    allowed_roots={f"{tmp_path}:{tiny_model_dir}"!r})
+with TestClient(create_app(settings, start_background=False)) as client:
+    report = client.post("/v1/runs/validate", json={body!r}).json()
+print(json.dumps({{"valid": report["valid"], "parameters": report["estimate"]["parameters"],
+                  "torch": "torch" in sys.modules}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=Path.cwd()
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["valid"] is True
+    assert result["parameters"] > 0
+    assert result["torch"] is False

@@ -287,3 +287,58 @@ class TestRestoreCheckpoint:
 
         with pytest.raises(ValueError, match=rf"cannot resume.*{message}"):
             restore_checkpoint(EngineThatMustNotLoad(), spec)
+
+
+class TestEvalShards:
+    """An unshuffled DistributedSampler repeats examples so every rank runs as many
+    forwards; a repeat must not count twice in the split's metrics."""
+
+    @staticmethod
+    def real_rows(size: int, ranks: int, rank: int, batch: int) -> list[int]:
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        from worker.evaluation import _real_rows
+
+        examples = list(range(size))
+        sampler: DistributedSampler[int] = DistributedSampler(
+            examples, num_replicas=ranks, rank=rank, shuffle=False, drop_last=False
+        )
+        loader = DataLoader(examples, batch_size=batch, sampler=sampler)
+        seen = [(len(b), real) for b, real in zip(loader, _real_rows(loader), strict=False)]
+        # The rows counted over every rank are each example once.
+        return [real for _, real in seen]
+
+    def test_the_repeated_tail_is_left_out(self) -> None:
+        # 5 examples over 2 ranks: rank 0 holds 0, 2, 4; rank 1 holds 1, 3 and a repeat of 0.
+        assert self.real_rows(5, 2, 0, batch=2) == [2, 1]
+        assert self.real_rows(5, 2, 1, batch=2) == [2, 0]
+
+    def test_every_example_counts_once_over_all_ranks(self) -> None:
+        for size, ranks, batch in [(7, 3, 2), (10, 4, 3), (8, 2, 4)]:
+            counted = sum(sum(self.real_rows(size, ranks, r, batch)) for r in range(ranks))
+            assert counted == size
+
+    def test_a_padded_row_is_left_out_of_the_loss_and_the_scores(self) -> None:
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        logits = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0]])
+        rows = [
+            {"logits": logits[i], "labels": torch.tensor(label), "input_ids": torch.tensor([1])}
+            for i, label in enumerate([0, 0, 1])
+        ]
+        # Rank 1 of 2 holds row 1 and a repeat of row 0.
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            rows, num_replicas=2, rank=1, shuffle=False
+        )
+        loader = DataLoader(rows, batch_size=2, sampler=sampler)
+        metrics = evaluate(
+            StandInEngine("sequence_classification"),
+            loader,
+            task="sequence_classification",
+            num_labels=2,
+        )
+        # Only row 1 counts: label 0, predicted 1.
+        assert metrics["eval_accuracy"] == 0.0
+        assert metrics["eval_loss"] == pytest.approx(
+            float(F.cross_entropy(logits[1:2], torch.tensor([0])))
+        )
