@@ -62,7 +62,8 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     device = _device(spec)
     tokenizer = load_tokenizer(spec)
     data = build_data(spec, tokenizer, rank=rank)
-    plan = StepPlan(spec, micro_batches_per_epoch=len(data.train))
+    # The count /v1/runs/validate gives for the same examples (contract/steps.py).
+    plan = StepPlan.for_examples(spec, examples=len(data.train.dataset))
     model = build_model(spec, tokenizer, data.labels)
     optimizer, scheduler = build_optimizer(spec, model, total_steps=plan.total_steps)
     bf16_ok = bool(spec.resources.use_gpu and torch.cuda.is_bf16_supported())

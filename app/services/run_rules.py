@@ -163,7 +163,8 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
     """What the model's config.json says about this request."""
     problems: list[Problem] = []
     model_type = config.get("model_type")
-    if model_type not in trainable_model_types(req.task):
+    trainable = trainable_model_types(req.task)
+    if trainable is not None and model_type not in trainable:
         problems.append(
             field_problem(
                 "model", f"model type {model_type!r} cannot be trained for task {req.task!r}"
