@@ -25,7 +25,7 @@ from app.db import transaction
 from app.logs import run_log
 from app.metrics import ServiceMetrics
 from app.models import Run, utcnow
-from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
+from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact, try_stop
 from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
 from app.services import lifecycle
@@ -239,8 +239,7 @@ class Dispatcher:
                 submit_grace_over=bool(updated and utcnow() - updated > SUBMIT_GRACE),
             )
         if verdict is RayVerdict.STOP_JOB:
-            with contextlib.suppress(RayUnavailable):  # asked again on the next pass
-                self.jobs.stop(seen.ray_submission_id or "")
+            try_stop(self.jobs, seen.ray_submission_id or "")
         elif verdict is RayVerdict.RESUBMIT:
             self._resubmit(seen.id)
 

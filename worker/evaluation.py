@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from worker.data import IGNORE_INDEX
+from worker.step_loss import targets_in
 
 
 def evaluate(
@@ -34,27 +35,23 @@ def evaluate(
             batch = {k: v.to(device) for k, v in batch.items()}
             out = engine(**batch)
             labels = batch["labels"]
+            # The same targets a training step counts; a batch without any has a NaN
+            # mean loss and adds nothing.
+            targets = targets_in(batch, task=task)
+            if not targets:
+                continue
+            totals[0] += float(out.loss) * targets
+            totals[1] += targets
             if task == "sequence_classification":
                 valid = labels != IGNORE_INDEX
-                count = int(valid.sum())
-                if not count:
-                    continue
                 predicted = out.logits.argmax(dim=-1)
-                totals[0] += float(out.loss) * count
-                totals[1] += count
                 totals[2] += float(((predicted == labels) & valid).sum())
-                totals[3] += count
+                totals[3] += targets
                 for c in range(num_labels):
                     hit, said = valid & (labels == c), valid & (predicted == c)
                     totals[4 + c] += float((said & hit).sum())
                     totals[4 + num_labels + c] += float((said & ~hit).sum())
                     totals[4 + 2 * num_labels + c] += float((hit & ~said).sum())
-            else:
-                # HF shifts labels by one inside the model; weigh each batch by its targets.
-                targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
-                if targets:  # a batch without targets has a NaN mean loss: skip it
-                    totals[0] += float(out.loss) * targets
-                    totals[1] += targets
     engine.train()
     if dist.is_initialized():
         # Under AutoTP each batch is counted once per TP rank; every metric below is a

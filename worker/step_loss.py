@@ -30,10 +30,10 @@ from worker.data import IGNORE_INDEX
 
 
 def targets_in(batch: dict[str, Any], *, task: str) -> int:
-    """The targets of one (CPU) micro-batch."""
+    """The targets of one micro-batch (evaluation marks rows to leave out as ignored)."""
     labels = batch["labels"]
     if task == "sequence_classification":
-        return int(labels.shape[0])
+        return int((labels != IGNORE_INDEX).sum())
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 

@@ -23,8 +23,7 @@ ASSUME_BF16_GPU = True
 
 
 def resolve(checked: CheckedRequest) -> dict[str, Any]:
-    spec = checked.resolved
-    plan = checked.step_plan()
+    spec, plan = checked.resolved, checked.plan
     return {
         "deepspeed_config": resolve_deepspeed_config(spec, bf16_supported=ASSUME_BF16_GPU),
         "precision": resolve_precision(spec, bf16_supported=ASSUME_BF16_GPU),

@@ -45,21 +45,13 @@ class CheckedRequest:
     spec: dict[str, Any]
     model_config: dict[str, Any] | None = None
     dataset_records: int | None = None
+    # The worker's own step count, where the service can know it (see _step_plan).
+    plan: StepPlan | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def resolved(self) -> RunDefinition:
         return RunDefinition.model_validate(self.spec)
-
-    def step_plan(self) -> StepPlan | None:
-        """The worker's own step count, where the service can know it: the examples of an
-        uploaded file (each record is one example), unless packing makes the count depend
-        on the token count. Raises ValueError when the data gives no whole step."""
-        request = self.resolved
-        if self.dataset_records is None or request.training.packing:
-            return None
-        examples = examples_used(self.dataset_records, request.dataset.max_samples)
-        return StepPlan.for_examples(request, examples=examples)
 
 
 def check_run_request(
@@ -70,10 +62,20 @@ def check_run_request(
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
     if not checked.problems:
         try:
-            checked.step_plan()
+            checked.plan = _step_plan(request, checked.dataset_records)
         except ValueError as exc:
             checked.problems.append(field_problem("training.batch_size_per_worker", str(exc)))
     return checked
+
+
+def _step_plan(request: RunRequest, records: int | None) -> StepPlan | None:
+    """The examples of an uploaded file (each record is one) counted as the worker counts
+    them, unless packing makes the count depend on the token count. Raises ValueError when
+    the data gives no whole step."""
+    if records is None or request.training.packing:
+        return None
+    examples = examples_used(records, request.dataset.max_samples)
+    return StepPlan.for_examples(request, examples=examples)
 
 
 def cross_field_problems(req: RunRequest) -> list[Problem]:
@@ -217,8 +219,8 @@ def _check_dataset(
             return
         checked.spec["dataset"]["source"] = upload.path
         checked.dataset_records = upload.records
-        missing = [f.name for f in fields_read_by(request.task, request.dataset)]
-        missing = [name for name in missing if name not in upload.fields]
+        fields = fields_read_by(request.task, request.dataset)
+        missing = [f.name for f in fields if f.name not in upload.fields]
         if missing:
             checked.problems.append(
                 field_problem(
