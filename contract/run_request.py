@@ -16,7 +16,14 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from contract.examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
 from contract.job_env import SPEC_ENV
@@ -98,7 +105,33 @@ class ResourcesSpec(BaseModel):
     num_workers: int = Field(default=2, gt=0, le=1024)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1, gt=0)
-    gpus_per_worker: float | None = Field(default=None, gt=0)
+    gpus_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        description="Whole GPUs per worker (default 1 with use_gpu). Each rank drives one "
+        "device; more than one reserves the others for it (e.g. memory headroom).",
+    )
+    cpu_threads_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Threads each worker's torch and OpenMP use (DeepSpeed's CPU Adam runs "
+        "on them when the optimizer is offloaded). Unset: cpus_per_worker on CPU runs; on "
+        "GPU runs the node's cores shared evenly among its GPUs, since Ray would otherwise "
+        "give each rank one thread.",
+    )
+
+    @field_validator("gpus_per_worker", mode="before")
+    @classmethod
+    def _whole_gpus(cls, value: Any) -> Any:
+        # pydantic would say only "not a valid integer"; the reason matters here.
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(
+                f"gpus_per_worker must be a whole number of GPUs (>= 1), got {value}: a "
+                "fraction would put two ranks on one device, which DeepSpeed and NCCL do "
+                "not support"
+            )
+        return int(value) if isinstance(value, float) else value
 
 
 class CheckpointingSpec(BaseModel):

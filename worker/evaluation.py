@@ -25,34 +25,29 @@ def evaluate(
     device = next(engine.module.parameters()).device
     engine.eval()
     # loss sum, its weight, correct, count; then per class: true pos., false pos., false neg.
-    totals = torch.zeros(4 + 3 * num_labels, dtype=torch.float64)
+    # Summed on the device and copied to the host once: no sync per batch on a GPU.
+    totals = torch.zeros(4 + 3 * num_labels, dtype=torch.float64, device=device)
     with torch.no_grad():
         for batch, real in zip(loader, _real_rows(loader), strict=False):
             if real < batch["labels"].shape[0]:
                 # Rows the sampler repeated so that every rank runs as many forwards.
                 batch = {**batch, "labels": batch["labels"].clone()}
                 batch["labels"][real:] = IGNORE_INDEX
-            batch = {k: v.to(device) for k, v in batch.items()}
-            out = engine(**batch)
-            labels = batch["labels"]
-            # The same targets a training step counts; a batch without any has a NaN
-            # mean loss and adds nothing.
+            # The same targets a training step counts, on the CPU batch; a batch without
+            # any has a NaN mean loss and adds nothing.
             targets = targets_in(batch, task=task)
             if not targets:
+                # Still run the forward: under ZeRO-3 and AutoTP it is collective.
+                engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
                 continue
-            totals[0] += float(out.loss) * targets
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            out = engine(**batch)
+            totals[0] += out.loss.detach().double() * targets
             totals[1] += targets
             if task == "sequence_classification":
-                valid = labels != IGNORE_INDEX
-                predicted = out.logits.argmax(dim=-1)
-                totals[2] += float(((predicted == labels) & valid).sum())
-                totals[3] += targets
-                for c in range(num_labels):
-                    hit, said = valid & (labels == c), valid & (predicted == c)
-                    totals[4 + c] += float((said & hit).sum())
-                    totals[4 + num_labels + c] += float((said & ~hit).sum())
-                    totals[4 + 2 * num_labels + c] += float((hit & ~said).sum())
+                _count_classes(totals, out.logits, batch["labels"], num_labels=num_labels)
     engine.train()
+    totals = totals.cpu()
     if dist.is_initialized():
         # Under AutoTP each batch is counted once per TP rank; every metric below is a
         # ratio of these sums, so the repetition cancels out.
@@ -66,6 +61,24 @@ def evaluate(
     # Binary tasks (MRPC and the like) report F1 of the positive class, as GLUE does.
     metrics["eval_f1"] = f1[1] if num_labels == 2 else sum(f1) / num_labels
     return metrics
+
+
+def _count_classes(totals: Any, logits: Any, labels: Any, *, num_labels: int) -> None:
+    """Adds correct and counted examples, and per class the true positives, false
+    positives and false negatives, to `totals` (laid out as in `evaluate`). One-hot sums
+    rather than boolean indexing or bincount, which wait for the GPU to size their output."""
+    import torch.nn.functional as F
+
+    valid = (labels != IGNORE_INDEX).unsqueeze(-1)
+    truth = F.one_hot(labels.clamp(min=0), num_labels) * valid
+    said = F.one_hot(logits.argmax(dim=-1), num_labels) * valid
+    tp = (truth * said).sum(dim=0)
+    totals[2] += tp.sum()
+    totals[3] += valid.sum()
+    for i, counts in enumerate(
+        (tp, (said * (1 - truth)).sum(dim=0), (truth * (1 - said)).sum(dim=0))
+    ):
+        totals[4 + i * num_labels : 4 + (i + 1) * num_labels] += counts
 
 
 def _real_rows(loader: Any) -> Iterator[int]:

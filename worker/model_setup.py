@@ -154,17 +154,59 @@ def _loader(spec: RunSpec, tokenizer: Any, examples: Any, *, shuffle: bool) -> A
         sampler=sampler,
         collate_fn=collate,
         drop_last=shuffle,
+        # Page-locked batches copy to the GPU asynchronously (`.to(device, non_blocking=True)`).
+        pin_memory=spec.resources.use_gpu,
     )
 
 
-def build_model(spec: RunSpec, tokenizer: Any, labels: list[Any] | None) -> Any:
+@dataclass(slots=True)
+class LoadedModel:
+    module: Any
+    # ZeRO-3: transformers' HfDeepSpeedConfig. transformers finds it through a weak
+    # reference (`is_deepspeed_zero3_enabled`), so it must outlive the model: with it,
+    # `from_pretrained` builds the model inside `deepspeed.zero.Init` (each rank holds its
+    # partition only, and only rank 0 reads the checkpoint), and later calls such as
+    # resizing embeddings gather partitioned weights instead of reading empty ones.
+    zero3_config: Any = None
+
+
+def build_model(
+    spec: RunSpec,
+    tokenizer: Any,
+    labels: list[Any] | None,
+    *,
+    ds_config: dict[str, Any],
+    precision: str,
+) -> LoadedModel:
+    """The model in the dtype it trains in, partitioned as it is created under ZeRO-3.
+
+    transformers 5 loads in the checkpoint's own dtype by default (`dtype="auto"`): a bf16
+    checkpoint would train in bf16 under `precision: fp32` and export bf16. The dtype is
+    always given, so fp32 means fp32 and a 16-bit run never holds an fp32 copy at load.
+    """
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from worker.deepspeed_config import torch_dtype_name
+
+    zero3_config = None
+    if ds_config["zero_optimization"]["stage"] == 3:
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # zero.Init reads the world size from DeepSpeed's own communication backend, which
+        # `deepspeed.initialize` would start only later; started now, it wraps the process
+        # group Ray Train made (without it zero.Init sees a world of 1 and refuses the
+        # batch sizes).
+        deepspeed.init_distributed(verbose=False)
+        zero3_config = HfDeepSpeedConfig(ds_config)
+    dtype = getattr(torch, torch_dtype_name(precision))
     with _loading(spec.model):
         if spec.task == "sequence_classification":
             assert labels is not None
             model = AutoModelForSequenceClassification.from_pretrained(
                 spec.model,
+                dtype=dtype,
                 num_labels=len(labels),
                 id2label={i: str(v) for i, v in enumerate(labels)},
                 label2id={str(v): i for i, v in enumerate(labels)},
@@ -172,11 +214,11 @@ def build_model(spec: RunSpec, tokenizer: Any, labels: list[Any] | None) -> Any:
             # Models without a pad token (GPT-2) cannot find the last token of a padded row.
             model.config.pad_token_id = tokenizer.pad_token_id
         else:
-            model = AutoModelForCausalLM.from_pretrained(spec.model)
+            model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype)
     if spec.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model
+    return LoadedModel(module=model, zero3_config=zero3_config)
 
 
 def optimizer_groups(model: Any, *, weight_decay: float, all_decay: bool) -> list[dict[str, Any]]:
@@ -191,7 +233,10 @@ def optimizer_groups(model: Any, *, weight_decay: float, all_decay: bool) -> lis
     no_decay: list[Any] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+            # A parameter partitioned by zero.Init is an empty 1-d tensor; ds_shape is its
+            # real shape.
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -23,8 +23,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     spec = RunSpec.model_validate(config["spec"])
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
+    place_rank(spec, local_world_size=context.get_local_world_size())
     sinks = MetricSinks(spec, rank=rank)
     # With "engine_ready" below: when each start-up stage ended, as events on the service's
     # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
@@ -33,8 +35,51 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         _train(spec, rank=rank, sinks=sinks)
     finally:
         sinks.close()
-        if dist.is_initialized():
-            dist.barrier()
+    # Only after success: a rank that raised must not wait in a barrier its peers, stuck in
+    # the step's collective, never reach. It returns its error at once, and Ray Train ends
+    # the run (worker.trainer.TrainingErrorStop), tearing the blocked peers down.
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def place_rank(spec: RunSpec, *, local_world_size: int) -> None:
+    """Device and threads for this rank, before DeepSpeed or torch start using either.
+
+    DeepSpeed picks its GPU from `LOCAL_RANK`; Ray Train gives each worker the device
+    `ray.train.torch.get_device()`: its GPU's position in the node's CUDA_VISIBLE_DEVICES,
+    which Ray sorts as strings (ray/train/v2/_internal/callbacks/accelerators.py), so on a
+    node of more than 10 GPUs "10" comes before "2" and the position is not the local
+    rank. Both must name the same device, so LOCAL_RANK is set from Ray's.
+
+    Ray sets OMP_NUM_THREADS to the worker's CPUs (1 by default), which leaves DeepSpeed's
+    CPU Adam and the host-side work of a GPU rank on one thread.
+    """
+    import os
+
+    import torch
+
+    if spec.resources.use_gpu:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+        if device.type == "cuda" and device.index is not None:
+            os.environ["LOCAL_RANK"] = str(device.index)
+            torch.cuda.set_device(device)
+    threads = cpu_threads(spec, node_cpus=os.cpu_count() or 1, local_world_size=local_world_size)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def cpu_threads(spec: RunSpec, *, node_cpus: int, local_world_size: int) -> int:
+    """`resources.cpu_threads_per_worker`, or: a CPU run's own CPUs; a GPU run's share of
+    the node's cores (its GPUs' ranks split them evenly), at least its CPUs."""
+    res = spec.resources
+    if res.cpu_threads_per_worker is not None:
+        return res.cpu_threads_per_worker
+    own = max(1, int(res.cpus_per_worker))
+    if not res.use_gpu:
+        return own
+    return max(own, node_cpus // max(local_world_size, 1))
 
 
 @dataclass(slots=True)
@@ -46,6 +91,7 @@ class Training:
     data: Any  # worker.model_setup.Data
     plan: StepPlan
     device: Any
+    zero3_config: Any = None  # kept alive for transformers (worker.model_setup.LoadedModel)
 
 
 def build_training(spec: RunSpec, *, rank: int) -> Training:
@@ -55,7 +101,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     import torch
     from transformers import set_seed
 
-    from worker.deepspeed_config import resolve_deepspeed_config
+    from worker.deepspeed_config import resolve_deepspeed_config, resolve_precision
     from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
 
     set_seed(spec.training.seed)
@@ -64,16 +110,40 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     data = build_data(spec, tokenizer, rank=rank)
     # The count /v1/runs/validate gives for the same examples (contract/steps.py).
     plan = StepPlan.for_examples(spec, examples=len(data.train.dataset))
-    model = build_model(spec, tokenizer, data.labels)
-    optimizer, scheduler = build_optimizer(spec, model, total_steps=plan.total_steps)
-    bf16_ok = bool(spec.resources.use_gpu and torch.cuda.is_bf16_supported())
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=resolve_deepspeed_config(spec, bf16_supported=bf16_ok),
+    # Native bf16 only: V100 and T4 report emulated bf16 as supported, and run it slowly.
+    bf16_ok = bool(
+        spec.resources.use_gpu and torch.cuda.is_bf16_supported(including_emulation=False)
     )
-    return Training(engine=engine, tokenizer=tokenizer, data=data, plan=plan, device=device)
+    ds_config = resolve_deepspeed_config(
+        spec, bf16_supported=bf16_ok, hidden_size=model_hidden_size(spec)
+    )
+    loaded = build_model(
+        spec,
+        tokenizer,
+        data.labels,
+        ds_config=ds_config,
+        precision=resolve_precision(spec, bf16_supported=bf16_ok),
+    )
+    optimizer, scheduler = build_optimizer(spec, loaded.module, total_steps=plan.total_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=loaded.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    return Training(
+        engine=engine,
+        tokenizer=tokenizer,
+        data=data,
+        plan=plan,
+        device=device,
+        zero3_config=loaded.zero3_config,
+    )
+
+
+def model_hidden_size(spec: RunSpec) -> int | None:
+    from transformers import AutoConfig
+
+    from worker.deepspeed_config import hidden_size_of
+
+    return hidden_size_of(AutoConfig.from_pretrained(spec.model).to_dict())
 
 
 def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
@@ -108,10 +178,16 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     batches = batches_from(plan, data.train, step)
     tr = spec.training
     while step < plan.total_steps:
+        logged = (step + 1) % tr.log_every_n_steps == 0 or step + 1 == plan.total_steps
+        if logged:
+            # A GPU runs behind the host: time a logged step from an idle device to an
+            # idle device. Other steps never wait for it.
+            _synchronize(training.device)
         started = time.perf_counter()
         result = train_step(engine, batches, spec=spec, device=training.device, group=sinks.group)
         step += 1
-        if step % tr.log_every_n_steps == 0 or step == plan.total_steps:
+        if logged:
+            _synchronize(training.device)
             sinks.log_step(
                 engine,
                 step=step,
@@ -177,12 +253,19 @@ def train_step(
     for batch, targets in zip(micro_batches, counts, strict=True):
         result.tokens += int(batch["attention_mask"].sum())
         result.samples += batch["input_ids"].shape[0]
-        out = engine(**{k: v.to(device) for k, v in batch.items()})
+        out = engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
         share = step_loss.step_share(out.loss, targets=targets, step_targets=total)
         step_loss.backward(engine, share, data_parallel_size=spec.data_parallel_size)
         engine.step()
         result.loss += share.detach().float()
     return result
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _device(spec: RunSpec) -> Any:

@@ -96,6 +96,28 @@ class TestRefused:
         ).training
         assert (training.epochs, training.max_steps) == (epochs, max_steps)
 
+    @pytest.mark.parametrize("gpus", [0.5, 1.5, 0.25])
+    def test_a_fraction_of_a_gpu_is_refused_with_the_reason(self, gpus: float) -> None:
+        with pytest.raises(ValidationError) as caught:
+            RunRequest.model_validate(
+                _request(resources={"use_gpu": True, "gpus_per_worker": gpus})
+            )
+        (error,) = caught.value.errors()
+        assert error["loc"] == ("resources", "gpus_per_worker")
+        assert "whole number" in error["msg"] and "two ranks on one device" in error["msg"]
+
+    @pytest.mark.parametrize(("given", "kept"), [(1, 1), (2.0, 2), (8, 8)])
+    def test_whole_gpus_are_accepted(self, given: float, kept: int) -> None:
+        resources = RunRequest.model_validate(
+            _request(resources={"use_gpu": True, "gpus_per_worker": given})
+        ).resources
+        assert resources.gpus_per_worker == kept and isinstance(resources.gpus_per_worker, int)
+
+    def test_zero_gpus_and_zero_threads_are_refused(self) -> None:
+        for resources in ({"gpus_per_worker": 0}, {"cpu_threads_per_worker": 0}):
+            with pytest.raises(ValidationError):
+                RunRequest.model_validate(_request(resources=resources))
+
 
 def test_the_contract_imports_neither_torch_nor_the_service() -> None:
     """It ships to the cluster without the service, and validation must not load torch."""

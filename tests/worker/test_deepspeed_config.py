@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from contract.run_request import RunSpec
-from worker.deepspeed_config import global_batch_size, resolve_deepspeed_config, resolve_precision
+from worker.deepspeed_config import (
+    global_batch_size,
+    hidden_size_of,
+    resolve_deepspeed_config,
+    resolve_precision,
+    torch_dtype_name,
+)
 
 
 def make_spec(**groups: dict[str, Any]) -> RunSpec:
@@ -193,3 +199,51 @@ class TestAcceptedByDeepSpeed:
         spec = make_spec(resources={"num_workers": 2})
         with pytest.raises(AssertionError, match="train_batch_size"):
             deepspeed_config_cls(resolve_deepspeed_config(spec))
+
+
+class TestBucketsSizedFromTheModel:
+    """Hugging Face's "auto" sizes instead of DeepSpeed's 5e8-element defaults."""
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_parsed_by_deepspeed_as_given(self, deepspeed_config_cls: Any, stage: int) -> None:
+        spec = make_spec(deepspeed={"zero_stage": stage}, resources={"num_workers": 1})
+        hidden = 4096
+
+        zero = deepspeed_config_cls(
+            resolve_deepspeed_config(spec, bf16_supported=False, hidden_size=hidden)
+        ).zero_config
+
+        assert zero.reduce_bucket_size == hidden * hidden
+        if stage == 3:
+            assert zero.prefetch_bucket_size == int(0.9 * hidden * hidden)
+            assert zero.param_persistence_threshold == 10 * hidden
+        else:
+            assert zero.allgather_bucket_size == hidden * hidden
+
+    def test_unknown_width_and_stage_0_keep_deepspeeds_defaults(self) -> None:
+        for stage, hidden in ((3, None), (0, 4096)):
+            spec = make_spec(deepspeed={"zero_stage": stage})
+            zero = resolve_deepspeed_config(spec, hidden_size=hidden)["zero_optimization"]
+            assert not {"reduce_bucket_size", "stage3_prefetch_bucket_size"} & zero.keys()
+
+    @pytest.mark.parametrize(
+        ("config", "hidden"),
+        [
+            ({"hidden_size": 896}, 896),  # Llama, Qwen
+            ({"n_embd": 768}, 768),  # GPT-2
+            ({"d_model": 512}, 512),  # T5, OPT
+            ({"text_config": {"hidden_size": 2048}}, 2048),  # multimodal wrappers
+            ({"vocab_size": 10}, None),
+        ],
+    )
+    def test_the_width_is_read_from_the_models_config(
+        self, config: dict[str, Any], hidden: int | None
+    ) -> None:
+        assert hidden_size_of(config) == hidden
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")]
+)
+def test_the_load_dtype_is_the_trained_precision(precision: str, dtype: str) -> None:
+    assert torch_dtype_name(precision) == dtype
