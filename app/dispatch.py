@@ -32,7 +32,13 @@ from app.services import lifecycle
 from app.services.lifecycle import Failure, RayVerdict
 from app.settings import Settings
 from app.status import RunStatus
-from contract.job_env import CALLBACK_URL_ENV, SPEC_ENV, TOKEN_ENV
+from contract.job_env import (
+    CALLBACK_URL_ENV,
+    CLUSTER_AUTOSCALES_ENV,
+    PLACEMENT_TIMEOUT_ENV,
+    SPEC_ENV,
+    TOKEN_ENV,
+)
 from contract.run_request import RunSpec
 
 log = logging.getLogger("tuneyard")
@@ -55,12 +61,21 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
         attempt=run.attempt,
         storage_path=str(settings.resolved_storage_path),
     )
-    env_vars = {
-        SPEC_ENV: spec.model_dump_json(),
-        TOKEN_ENV: token,
-        CALLBACK_URL_ENV: settings.resolved_callback_url,
-        "PYTHONUNBUFFERED": "1",
-    }
+    # The operator's variables first (NCCL_*, HF_TOKEN, ...; Settings refuses tuneyard's own
+    # names), so what tuneyard sets below always wins. Never logged: they may be secrets.
+    env_vars = settings.resolved_job_env()
+    env_vars.update(
+        {
+            SPEC_ENV: spec.model_dump_json(),
+            TOKEN_ENV: token,
+            CALLBACK_URL_ENV: settings.resolved_callback_url,
+            "PYTHONUNBUFFERED": "1",
+            # Ray Train's wait for the workers to be placed; worker/trainer.py makes its
+            # expiry end the run (Ray's default retries it forever).
+            PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
+            CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",
+        }
+    )
     if not spec.resources.use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing
     return {"py_modules": JOB_PACKAGES, "env_vars": env_vars}

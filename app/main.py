@@ -18,6 +18,7 @@ from app.metrics import ServiceMetrics
 from app.migrate import prepare_database
 from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
+from app.services.placement import ClusterView
 from app.settings import Settings
 
 log = logging.getLogger("tuneyard")
@@ -50,6 +51,8 @@ def create_app(
                 head = ensure_local_head(settings)
                 address = head.dashboard_url
             jobs = state.jobs = RayJobs(address)
+            state.cluster = ClusterView(jobs.node_resources, autoscales=settings.cluster_autoscales)
+            state.cluster.refresh()  # known before the first request asks
 
             def revive_local_head() -> None:
                 """The embedded head died: start (or re-attach to) one and point Ray at it."""

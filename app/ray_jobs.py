@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("tuneyard")
+
+# More nodes than any cluster tuneyard serves; the state API returns 100 by default.
+NODE_LIMIT = 10_000
 
 
 class RayUnavailable(Exception):
@@ -111,6 +115,26 @@ class RayJobs:
         except Exception as exc:
             raise RayUnavailable(f"cannot read logs of {submission_id}: {exc}") from exc
 
+    def node_resources(self, *, timeout_s: int = 5) -> list[dict[str, float]]:
+        """Each alive node's total resources ({"CPU": 8.0, "GPU": 1.0, ...}), read from the
+        dashboard's state API at the same address and with the same token as the job API."""
+        from ray.util.state import list_nodes
+
+        try:
+            nodes = list_nodes(
+                address=self.address,
+                filters=[("state", "=", "ALIVE")],
+                limit=NODE_LIMIT,
+                timeout=timeout_s,
+                raise_on_missing_output=False,
+            )
+        except Exception as exc:  # ServerUnavailable, RayStateApiException, auth, timeouts
+            raise RayUnavailable(f"cannot read the nodes of {self.address}: {exc}") from exc
+        return [
+            {name: float(amount) for name, amount in (node.resources_total or {}).items()}
+            for node in nodes
+        ]
+
 
 def try_stop(jobs: RayJobs, submission_id: str) -> None:
     """Stop a job, or leave it to the reconciler, which asks Ray again on its next pass."""
@@ -144,4 +168,18 @@ def _known_secrets() -> list[str]:
     if path:
         with contextlib.suppress(OSError):
             secrets.append(Path(path).read_text().strip())
+    secrets.extend(_job_env_secrets())
     return [s for s in secrets if len(s) >= 8]
+
+
+# Names of variables that hold credentials (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY).
+_SECRET_NAME = re.compile(r"(?i)token|secret|password|passwd|credential|(^|_)key$|api_?key")
+
+
+def _job_env_secrets() -> list[str]:
+    """Credentials a job may be given (TUNEYARD_JOB_ENV, or passed through from this
+    process's environment, see Settings.resolved_job_env) and so echo in its log."""
+    variables = dict(os.environ)
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        variables.update(json.loads(os.environ.get("TUNEYARD_JOB_ENV") or "{}"))
+    return [str(v) for name, v in variables.items() if _SECRET_NAME.search(name)]

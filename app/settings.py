@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
+import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
 
 # The demo writes its tiny model and dataset here, so runs may read from it by default.
 DEMO_DIRNAME = "demo"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TUNEYARD_", extra="ignore")
+    # Errors name the setting, never its value: job_env and database_url may hold secrets.
+    model_config = SettingsConfigDict(
+        env_prefix="TUNEYARD_", extra="ignore", hide_input_in_errors=True
+    )
 
     # Root of every embedded default: database, storage, the local Ray head's state.
     home: Path = Path("./.tuneyard")
@@ -45,6 +54,19 @@ class Settings(BaseSettings):
 
     # Runs live on Ray at once; the rest wait in the queue, oldest first.
     max_concurrent_runs: int = Field(default=4, ge=1)
+    # Placement. False: the nodes the cluster has now are all it will have, so a run they
+    # can never hold (a GPU run without GPU nodes) is refused at validation. True (an
+    # autoscaling cluster): such a run is accepted and waits for nodes to be added.
+    cluster_autoscales: bool = False
+    # How long a started run's workers may wait to be placed (busy resources, nodes being
+    # added) before the run fails; Ray Train's own default retries that wait forever.
+    placement_timeout_s: float = Field(default=600.0, gt=0)
+    # Environment of every job, on top of what tuneyard sets: JSON, e.g.
+    # {"NCCL_SOCKET_IFNAME": "eth0"}. Values are never logged (they may be secrets).
+    job_env: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    # The service's own variables forwarded to every job: comma-separated names or PREFIX_*
+    # globs, e.g. "HF_TOKEN,NCCL_*", so secrets stay in the service's environment only.
+    job_env_passthrough: str = ""
     # How often the dispatcher looks for queued runs and checks Ray's view of live ones.
     dispatch_interval_s: float = Field(default=1.0, gt=0)
     # CPUs the embedded Ray head advertises; unset → Ray counts the machine's cores.
@@ -65,6 +87,44 @@ class Settings(BaseSettings):
                 f"{value!r}; object-store URIs are not supported yet: mount the bucket on "
                 f"every node (e.g. mountpoint-s3, gcsfuse) and give the mount path"
             )
+        return value
+
+    @field_validator("job_env", mode="before")
+    @classmethod
+    def _job_env_from_json(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        try:
+            parsed = json.loads(value or "{}")
+        except json.JSONDecodeError as exc:
+            # The value may hold a secret: name the problem, never echo the text.
+            raise ValueError(
+                f'TUNEYARD_JOB_ENV must be a JSON object such as {{"NCCL_SOCKET_IFNAME": '
+                f'"eth0"}}: {exc.msg} at character {exc.pos}'
+            ) from None
+        if not isinstance(parsed, dict):
+            raise ValueError("TUNEYARD_JOB_ENV must be a JSON object of names to values")
+        for name, item in parsed.items():
+            if not isinstance(item, str | int | float) or isinstance(item, bool):
+                raise ValueError(f"TUNEYARD_JOB_ENV: the value of {name!r} must be a string")
+        return {name: str(item) for name, item in parsed.items()}
+
+    @field_validator("job_env")
+    @classmethod
+    def _refuse_owned_job_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if problem := _job_variable_problem(name, glob=False):
+                raise ValueError(f"TUNEYARD_JOB_ENV may not set {name!r}: {problem}")
+        return value
+
+    @field_validator("job_env_passthrough")
+    @classmethod
+    def _refuse_owned_passthrough(cls, value: str) -> str:
+        for pattern in _split_names(value):
+            if problem := _job_variable_problem(pattern, glob=True):
+                raise ValueError(
+                    f"TUNEYARD_JOB_ENV_PASSTHROUGH may not name {pattern!r}: {problem}"
+                )
         return value
 
     @model_validator(mode="after")
@@ -103,6 +163,20 @@ class Settings(BaseSettings):
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
 
+    def resolved_job_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What every job gets on top of tuneyard's own variables: the service's variables
+        that `job_env_passthrough` names (from `environ`, default this process's), then
+        `job_env`, which wins where both give a name."""
+        environ = os.environ if environ is None else environ
+        patterns = _split_names(self.job_env_passthrough)
+        forwarded = {
+            name: value
+            for name, value in environ.items()
+            if any(_matches(pattern, name) for pattern in patterns)
+            and not _job_variable_problem(name, glob=False)
+        }
+        return {**forwarded, **self.job_env}
+
     @property
     def ray_state_dir(self) -> Path:
         """Where the embedded Ray head keeps its address and auth token."""
@@ -116,3 +190,50 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The service's own connection to Ray: a job gets its address and credentials from Ray.
+_RAY_CONNECTION_PREFIX = "RAY_AUTH_"
+_RAY_CONNECTION_NAMES = frozenset({"RAY_ADDRESS"})
+
+
+def _split_names(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+
+
+def _job_variable_problem(pattern: str, *, glob: bool) -> str | None:
+    """Why a job variable name (or, with `glob`, a `PREFIX*` pattern) may not be given."""
+    is_glob = glob and pattern.endswith("*")
+    stem = pattern[:-1] if is_glob else pattern
+    if is_glob and not stem:
+        return "it would pass on every variable of the service, its credentials too"
+    if not _ENV_NAME.match(stem):
+        shape = "a variable name or a PREFIX_* pattern" if glob else "a variable name"
+        return f"it is not {shape}"
+
+    def hits(name_or_prefix: str, *, prefix: bool) -> bool:
+        if is_glob:  # the pattern could match it, or it could match what the pattern does
+            return name_or_prefix.startswith(stem) or (prefix and stem.startswith(name_or_prefix))
+        return stem.startswith(name_or_prefix) if prefix else stem == name_or_prefix
+
+    if hits(RESERVED_PREFIX, prefix=True) or any(
+        hits(name, prefix=False) for name in RESERVED_NAMES
+    ):
+        return (
+            "it would replace a variable tuneyard sets for every job "
+            f"({RESERVED_PREFIX}*, and {PLACEMENT_TIMEOUT_ENV}, which "
+            "TUNEYARD_PLACEMENT_TIMEOUT_S sets)"
+        )
+    if hits(_RAY_CONNECTION_PREFIX, prefix=True) or any(
+        hits(name, prefix=False) for name in _RAY_CONNECTION_NAMES
+    ):
+        return (
+            "it would pass on the service's own connection to Ray "
+            f"({_RAY_CONNECTION_PREFIX}*, RAY_ADDRESS); jobs get theirs from Ray"
+        )
+    return None

@@ -6,3 +6,20 @@ SPEC_ENV = "TUNEYARD_RUN_SPEC"
 TOKEN_ENV = "TUNEYARD_RUN_TOKEN"
 # Where the service listens for the worker's callbacks, as the cluster reaches it.
 CALLBACK_URL_ENV = "TUNEYARD_CALLBACK_URL"
+# "1" when the service is configured with TUNEYARD_CLUSTER_AUTOSCALES: the cluster may grow,
+# so a run its current nodes cannot hold waits for new ones instead of failing at once.
+CLUSTER_AUTOSCALES_ENV = "TUNEYARD_CLUSTER_AUTOSCALES"
+# Ray Train's own name for how long a worker group may wait to be placed; the service sets
+# it to TUNEYARD_PLACEMENT_TIMEOUT_S (Ray's default is 60 s, retried without end).
+PLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# What the dispatcher sets in every job: no configured job variable may replace these, and
+# nothing named TUNEYARD_* at all.
+RESERVED_PREFIX = "TUNEYARD_"
+RESERVED_NAMES = frozenset(
+    {SPEC_ENV, TOKEN_ENV, CALLBACK_URL_ENV, CLUSTER_AUTOSCALES_ENV, PLACEMENT_TIMEOUT_ENV}
+)
+
+
+def is_reserved(name: str) -> bool:
+    """Whether `name` is one of tuneyard's own job variables."""
+    return name in RESERVED_NAMES or name.startswith(RESERVED_PREFIX)

@@ -12,6 +12,7 @@ import sys
 from contract.run_request import RunSpec
 from worker.failures import describe_failure, failure_code
 from worker.logs import configure_worker_logging
+from worker.placement import check_before_fit
 from worker.service_client import ServiceClient
 
 
@@ -23,6 +24,8 @@ def main() -> int:
     client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
     try:
         client.status("running")
+        # A run the cluster can never hold fails here, not after Ray Train's placement wait.
+        check_before_fit(spec, post_event=client.event)
         from worker.trainer import build_trainer
 
         result = build_trainer(spec).fit()

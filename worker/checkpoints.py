@@ -100,7 +100,13 @@ class Export:
 
 
 def export_hf_model(
-    engine: Any, tokenizer: Any, spec: RunSpec, *, rank: int, probe: dict[str, Any]
+    engine: Any,
+    tokenizer: Any,
+    spec: RunSpec,
+    *,
+    rank: int,
+    probe: dict[str, Any],
+    zero3_config: Any = None,
 ) -> Export:
     """A folder `from_pretrained` loads: config, safetensors weights and the tokenizer.
 
@@ -124,7 +130,10 @@ def export_hf_model(
         out.mkdir(parents=True, exist_ok=True)
         engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out)
-        max_diff = _verify_export(out, spec, probe, engine_logits)
+        from worker.model_setup import loading_whole
+
+        with loading_whole(zero3_config):
+            max_diff = _verify_export(out, spec, probe, engine_logits)
         top = engine_logits.topk(min(PROBE_TOP_K, engine_logits.shape[-1]), dim=-1)
         torch.save(
             {

@@ -5,18 +5,41 @@ from __future__ import annotations
 MAX_MESSAGE_CHARS = 2_000
 
 
+class TrainingCodeError(Exception):
+    """A rank's own error, raised in Ray Train's controller to end the run without the
+    retries meant for dead workers (worker.trainer.TrainingErrorStop)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        # Both in args: the error is pickled from the controller to the job's driver.
+        super().__init__(message, rank)
+        self.message, self.rank = message, rank
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> TrainingCodeError:
+        return cls(f"worker rank {rank}: {_root_message(error)}", rank)
+
+
+def raised_by_training_code(exc: BaseException) -> bool:
+    """Whether a worker's error came from the training code, not from Ray losing it."""
+    from ray.exceptions import RayError, RayTaskError
+
+    root = _root(exc)
+    return not (isinstance(root, RayError) and not isinstance(root, RayTaskError))
+
+
 def failure_code(exc: BaseException) -> str:
     """`cluster_error` when Ray itself failed under the run (a node or the head went away),
     which a new attempt can survive; `training_error` for everything the run's own code or
-    data raised, which would fail again the same way."""
-    from ray.exceptions import RayError, RayTaskError
+    data raised, which would fail again the same way; `unplaceable` when the cluster could
+    not hold the run's workers, which another attempt would not change."""
+    from worker.placement import placement_failure
 
-    root = _root(_first_failure(exc))
-    return (
-        "cluster_error"
-        if isinstance(root, RayError) and not isinstance(root, RayTaskError)
-        else "training_error"
-    )
+    if placement_failure(exc) is not None:
+        return "unplaceable"
+    return "training_error" if raised_by_training_code(_first_failure(exc)) else "cluster_error"
 
 
 def _first_failure(exc: BaseException) -> BaseException:
@@ -44,11 +67,17 @@ def describe_failure(exc: BaseException) -> str:
     Ray Train wraps worker exceptions (WorkerGroupError → RayTaskError → the user's error);
     the innermost one is what the user needs to read.
     """
+    from worker.placement import placement_failure
+
+    if (unplaced := placement_failure(exc)) is not None:
+        return _truncate(unplaced)
     worker_failures = getattr(exc, "worker_failures", None)
     if worker_failures:
         rank, inner = min(worker_failures.items())
         return _truncate(f"worker rank {rank}: {_root_message(inner)}")
     controller_failure = getattr(exc, "controller_failure", None)
+    if isinstance(controller_failure, TrainingCodeError):
+        return _truncate(str(controller_failure))
     if controller_failure is not None:
         return _truncate(f"controller: {_root_message(controller_failure)}")
     return _truncate(_root_message(exc))

@@ -170,6 +170,26 @@ class LoadedModel:
     zero3_config: Any = None
 
 
+@contextmanager
+def loading_whole(zero3_config: Any) -> Iterator[None]:
+    """`from_pretrained` of a whole model on one rank (the export check) while a run's
+    ZeRO-3 config is alive: without this, transformers would create it inside zero.Init,
+    a collective the other ranks never join."""
+    if zero3_config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import (
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(zero3_config)
+
+
 def build_model(
     spec: RunSpec,
     tokenizer: Any,

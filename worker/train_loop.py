@@ -212,7 +212,14 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     )
     if spec.checkpointing.export_hf:
         probe = next(iter(data.train))
-        export = export_hf_model(engine, training.tokenizer, spec, rank=rank, probe=probe)
+        export = export_hf_model(
+            engine,
+            training.tokenizer,
+            spec,
+            rank=rank,
+            probe=probe,
+            zero3_config=training.zero3_config,
+        )
         if rank == 0 and sinks.client is not None:
             sinks.client.checkpoint(
                 step=step,

@@ -13,26 +13,36 @@ def build_trainer(spec: RunSpec) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from contract.placement import worker_demand
     from worker.train_loop import train_loop_per_worker
 
     res = spec.resources
-    per_worker: dict[str, float] = {"CPU": res.cpus_per_worker}
-    if res.use_gpu:
-        per_worker["GPU"] = res.gpus_per_worker or 1
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": spec.model_dump(mode="json")},
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=res.num_workers, use_gpu=res.use_gpu, resources_per_worker=per_worker
+            num_workers=res.num_workers,
+            use_gpu=res.use_gpu,
+            # The bundle the placement check measured against the nodes.
+            resources_per_worker=worker_demand(res),
         ),
         run_config=RunConfig(
             name=spec.run_id,
             storage_path=spec.storage_path,
-            failure_config=FailureConfig(max_failures=spec.fault_tolerance.max_failures),
+            # Ray types FailureConfig as v1's; V2's takes controller_failure_limit.
+            failure_config=FailureConfig(  # type: ignore[call-arg]
+                max_failures=spec.fault_tolerance.max_failures,
+                # Workers not placed within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (the
+                # service's placement timeout) end the run; Ray's default retries forever.
+                controller_failure_limit=0,
+            ),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpointing.keep_last),
             # Ray types `callbacks` with its v1 Callback class; V2 takes UserCallback.
-            callbacks=[CheckpointRecorder(spec.run_id, spec.attempt)],  # type: ignore[list-item]
+            callbacks=[
+                CheckpointRecorder(spec.run_id, spec.attempt),  # type: ignore[list-item]
+                TrainingErrorStop(),  # type: ignore[list-item]
+            ],
         ),
     )
 
@@ -66,3 +76,25 @@ class CheckpointRecorder(UserCallback):
             )
         finally:
             client.close()
+
+
+class TrainingErrorStop(UserCallback):
+    """Ends the run on an error the training code raised, instead of restarting it.
+
+    Ray Train restarts the worker group after any worker error, up to `max_failures`.
+    That is right when a worker died with its node, and wrong when a rank raised on its
+    own (a bad batch, an out-of-memory): it would fail the same way again, and its peers
+    sit in the step's collective meanwhile. Raising here, in the controller, ends the run
+    at once with a non-retryable controller error (ray/train/v2/_internal/execution/
+    controller/controller.py: an exception in a loop iteration becomes ControllerError,
+    which DefaultFailurePolicy does not retry) and Ray Train tears the worker group down,
+    blocked peers included. A dead worker (a RayError that is not a task error) is left
+    to Ray's own retries.
+    """
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        from worker.failures import TrainingCodeError, raised_by_training_code
+
+        if worker_exceptions and all(map(raised_by_training_code, worker_exceptions.values())):
+            rank = min(worker_exceptions)
+            raise TrainingCodeError.of(rank, worker_exceptions[rank])

@@ -18,6 +18,7 @@ from app.metrics import ServiceMetrics
 from app.ray_jobs import RayJobs
 from app.security import hash_secret
 from app.services.api_keys import find_api_key
+from app.services.placement import ClusterView
 from app.settings import Settings
 
 T = TypeVar("T")
@@ -37,6 +38,8 @@ class AppState:
     # Set while attached to Ray (not in `start_background=False` apps).
     jobs: RayJobs | None = None
     dispatcher: Dispatcher | None = None
+    # The cluster's nodes, for refusing runs it can never place (None without Ray).
+    cluster: ClusterView | None = None
     api_key_cache: _ApiKeyCache = field(default_factory=lambda: _ApiKeyCache())
 
 
@@ -59,6 +62,10 @@ async def get_jobs(request: Request) -> RayJobs | None:
 
 async def get_dispatcher(request: Request) -> Dispatcher | None:
     return app_state(request).dispatcher
+
+
+async def get_cluster(request: Request) -> ClusterView | None:
+    return app_state(request).cluster
 
 
 async def get_metrics(request: Request) -> ServiceMetrics:
@@ -146,6 +153,7 @@ LOCAL_PRINCIPAL = "local"
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 JobsDep = Annotated[RayJobs | None, Depends(get_jobs)]
 DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]
+ClusterDep = Annotated[ClusterView | None, Depends(get_cluster)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 ReadSessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_session_factory)]
 # scope="function": commit before the response is sent, so a client never reads stale data.

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
 from app.api.deps import (
+    ClusterDep,
     CurrentPrincipal,
     DispatcherDep,
     JobsDep,
@@ -86,6 +87,7 @@ def create_run(
     settings: SettingsDep,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
+    cluster: ClusterDep,
     background: BackgroundTasks,
     idempotency_key: Annotated[
         str | None,
@@ -102,6 +104,7 @@ def create_run(
         owner_id=principal.id,
         allowed_roots=settings.resolved_allowed_roots,
         idempotency_key=idempotency_key,
+        cluster=cluster,
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -140,9 +143,14 @@ def validate_run(
     session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
+    cluster: ClusterDep,
 ) -> ValidationReport:
     return runs.validate_run_request(
-        session, body=body, owner_id=principal.id, allowed_roots=settings.resolved_allowed_roots
+        session,
+        body=body,
+        owner_id=principal.id,
+        allowed_roots=settings.resolved_allowed_roots,
+        cluster=cluster,
     )
 
 

@@ -18,6 +18,7 @@ from app.errors import Conflict, NotFound, ValidationFailed, problems_from_pydan
 from app.models import Run, new_id
 from app.schemas.run_view import RunFields, ValidationReport
 from app.services import estimates, lifecycle
+from app.services.placement import ClusterView
 from app.services.run_rules import check_run_request
 from app.status import RunStatus
 from contract.run_request import RunRequest
@@ -32,8 +33,10 @@ def create_run(
     owner_id: str,
     allowed_roots: list[Path],
     idempotency_key: str | None = None,
+    cluster: ClusterView | None = None,
 ) -> tuple[Run, bool]:
-    """The new run and True; or, for a repeated Idempotency-Key, the earlier run and False."""
+    """The new run and True; or, for a repeated Idempotency-Key, the earlier run and False.
+    With `cluster`, a run its nodes can never place is refused too."""
     request_hash = _request_hash(request)
     if idempotency_key is not None:
         earlier = _find_idempotent(session, owner_id, idempotency_key, request_hash)
@@ -41,6 +44,8 @@ def create_run(
             return earlier, False
 
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
+    if cluster is not None:
+        checked.problems.extend(cluster.problems(request.resources))
     if checked.problems:
         raise ValidationFailed(checked.problems)
     run = Run(
@@ -71,7 +76,12 @@ def create_run(
 
 
 def validate_run_request(
-    session: Session, *, body: Any, owner_id: str, allowed_roots: list[Path]
+    session: Session,
+    *,
+    body: Any,
+    owner_id: str,
+    allowed_roots: list[Path],
+    cluster: ClusterView | None = None,
 ) -> ValidationReport:
     """Every check `create_run` makes, with nothing stored, plus what the run would cost."""
     try:
@@ -81,6 +91,8 @@ def validate_run_request(
             valid=False, errors=problems_from_pydantic(exc.errors()), resolved=None, estimate=None
         )
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
+    if cluster is not None:
+        checked.problems.extend(cluster.problems(request.resources))
     if checked.problems:
         return ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
     return ValidationReport(

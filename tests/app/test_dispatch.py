@@ -18,11 +18,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import JOB_PACKAGES, Dispatcher
+from app.dispatch import JOB_PACKAGES, Dispatcher, build_runtime_env
 from app.models import Event, Run, utcnow
-from app.ray_jobs import JobState, RayRejected, RayUnavailable
+from app.ray_jobs import JobState, RayRejected, RayUnavailable, redact
 from app.security import hash_secret
 from app.settings import Settings
+from contract.run_request import RunRequest
 from tests.factories import run_request
 
 
@@ -424,3 +425,66 @@ class TestReconcile:
         monkeypatch.setattr(ray, "state", down)
         dispatcher.reconcile_live_runs()
         assert _run(session_factory, run_id).status == "starting"
+
+
+class TestJobEnvironment:
+    """What `build_runtime_env` gives every job beyond the run itself: the operator's
+    variables (TUNEYARD_JOB_ENV, TUNEYARD_JOB_ENV_PASSTHROUGH) and the placement settings."""
+
+    def _env_vars(self, tmp_path: Path, settings: Settings) -> dict[str, str]:
+        spec = RunRequest.model_validate(run_request(tmp_path)).worker_fields()
+        run = Run(id="run_env", attempt=1, spec=spec)
+        env: dict[str, str] = build_runtime_env(run, token="rt_token", settings=settings)[
+            "env_vars"
+        ]
+        return env
+
+    def test_configured_and_forwarded_variables_reach_every_job(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("HF_TOKEN", "hf_forwarded")
+        monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "not-forwarded")
+        settings = Settings(
+            home=tmp_path,
+            job_env={"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"},
+            job_env_passthrough="HF_TOKEN,NCCL_*",
+        )
+        env = self._env_vars(tmp_path, settings)
+        assert env["HF_TOKEN"] == "hf_forwarded"
+        assert env["NCCL_IB_HCA"] == "mlx5_0"
+        assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+        # tuneyard's own variables are all there, as tuneyard set them.
+        assert env["TUNEYARD_RUN_TOKEN"] == "rt_token"
+        assert json.loads(env["TUNEYARD_RUN_SPEC"])["run_id"] == "run_env"
+
+    def test_tuneyards_own_variables_win_over_anything_configured(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Settings refuse these names; a job gets tuneyard's values even if one slipped by.
+        settings = Settings(home=tmp_path)
+        monkeypatch.setattr(
+            Settings,
+            "resolved_job_env",
+            lambda self, environ=None: {"TUNEYARD_RUN_TOKEN": "forged", "PYTHONUNBUFFERED": "0"},
+        )
+        env = self._env_vars(tmp_path, settings)
+        assert env["TUNEYARD_RUN_TOKEN"] == "rt_token"
+        assert env["PYTHONUNBUFFERED"] == "1"
+
+    @pytest.mark.parametrize(("autoscales", "flag"), [(False, "0"), (True, "1")])
+    def test_the_placement_settings_reach_ray_train_and_the_driver(
+        self, tmp_path: Path, autoscales: bool, flag: str
+    ) -> None:
+        settings = Settings(home=tmp_path, placement_timeout_s=45, cluster_autoscales=autoscales)
+        env = self._env_vars(tmp_path, settings)
+        assert float(env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"]) == 45
+        assert env["TUNEYARD_CLUSTER_AUTOSCALES"] == flag
+
+    def test_a_forwarded_credential_is_redacted_from_job_logs(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("HF_TOKEN", "hf_forwarded_secret")
+        monkeypatch.setenv("TUNEYARD_JOB_ENV", '{"WANDB_API_KEY": "wandb_configured_secret"}')
+        logged = redact("token=hf_forwarded_secret key=wandb_configured_secret iface=enp0s31f6")
+        assert logged == "token=[redacted] key=[redacted] iface=enp0s31f6"

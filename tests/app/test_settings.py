@@ -44,3 +44,95 @@ def test_serve_refuses_bad_settings_naming_the_variable(
     assert result.exit_code == ExitCode.USAGE
     assert "invalid TUNEYARD_STORAGE_PATH" in result.stderr
     assert not (tmp_path / "tuneyard.db").exists()  # refused before touching anything
+
+
+class TestPlacementSettings:
+    def test_defaults(self, tmp_path: Path) -> None:
+        settings = Settings(home=tmp_path)
+        assert settings.cluster_autoscales is False
+        assert settings.placement_timeout_s == 600
+
+    def test_from_the_environment(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("TUNEYARD_CLUSTER_AUTOSCALES", "true")
+        monkeypatch.setenv("TUNEYARD_PLACEMENT_TIMEOUT_S", "45")
+        settings = Settings(home=tmp_path)
+        assert settings.cluster_autoscales is True
+        assert settings.placement_timeout_s == 45
+
+    def test_a_timeout_of_zero_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(ValidationError, match="placement_timeout_s"):
+            Settings(home=tmp_path, placement_timeout_s=0)
+
+
+class TestJobEnvironmentSettings:
+    def test_job_env_is_json_and_passthrough_forwards_names_and_globs(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv(
+            "TUNEYARD_JOB_ENV", '{"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_GID_INDEX": 3}'
+        )
+        monkeypatch.setenv("TUNEYARD_JOB_ENV_PASSTHROUGH", "HF_TOKEN, NCCL_*")
+        settings = Settings(home=tmp_path)
+        environ = {
+            "HF_TOKEN": "hf_secret",
+            "NCCL_DEBUG": "INFO",
+            "NCCL_SOCKET_IFNAME": "ens5",  # the explicit TUNEYARD_JOB_ENV value wins
+            "HOME": "/root",
+            "TUNEYARD_HOME": "/srv/tuneyard",
+        }
+        assert settings.resolved_job_env(environ) == {
+            "HF_TOKEN": "hf_secret",
+            "NCCL_DEBUG": "INFO",
+            "NCCL_SOCKET_IFNAME": "eth0",
+            "NCCL_IB_GID_INDEX": "3",
+        }
+
+    def test_nothing_is_forwarded_by_default(self, tmp_path: Path) -> None:
+        assert Settings(home=tmp_path).resolved_job_env({"HF_TOKEN": "hf_secret"}) == {}
+
+    @pytest.mark.parametrize(
+        ("variable", "value", "reason"),
+        [
+            ("TUNEYARD_JOB_ENV", '{"TUNEYARD_RUN_SPEC": "{}"}', "a variable tuneyard sets"),
+            (
+                "TUNEYARD_JOB_ENV",
+                '{"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}',
+                "TUNEYARD_PLACEMENT_TIMEOUT_S sets",
+            ),
+            ("TUNEYARD_JOB_ENV", '{"RAY_AUTH_TOKEN": "x"}', "connection to Ray"),
+            ("TUNEYARD_JOB_ENV", '{"NCCL_DEBUG": ["INFO"]}', "must be a string"),
+            ("TUNEYARD_JOB_ENV", "NCCL_DEBUG=INFO", "must be a JSON object"),
+            ("TUNEYARD_JOB_ENV_PASSTHROUGH", "HF_TOKEN,TUNEYARD_*", "a variable tuneyard sets"),
+            ("TUNEYARD_JOB_ENV_PASSTHROUGH", "RAY_AUTH_*", "connection to Ray"),
+            ("TUNEYARD_JOB_ENV_PASSTHROUGH", "*", "every variable of the service"),
+            ("TUNEYARD_JOB_ENV_PASSTHROUGH", "NCCL-*", "not a variable name"),
+        ],
+    )
+    def test_tuneyards_own_variables_and_bad_values_are_refused_naming_the_variable(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        variable: str,
+        value: str,
+        reason: str,
+    ) -> None:
+        from typer.testing import CliRunner
+
+        from app.cli import ExitCode, app
+
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValidationError, match=reason):
+            Settings(home=tmp_path)
+        result = CliRunner().invoke(app, ["serve"], env={"TUNEYARD_HOME": str(tmp_path)})
+        assert result.exit_code == ExitCode.USAGE
+        assert f"invalid {variable}:" in result.stderr
+        assert reason in " ".join(result.stderr.split())
+
+    def test_a_malformed_job_env_is_refused_without_echoing_its_values(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("TUNEYARD_JOB_ENV", '{"HF_TOKEN": "hf_do_not_print_me"')
+        with pytest.raises(ValidationError) as raised:
+            Settings(home=tmp_path)
+        assert "must be a JSON object" in str(raised.value)
+        assert "hf_do_not_print_me" not in str(raised.value)

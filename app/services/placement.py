@@ -1,0 +1,109 @@
+"""Refuse, at validation, a run the cluster can never place.
+
+Ray would accept the job and Ray Train would wait for workers that can never start (a GPU
+run on a cluster without GPUs, a worker larger than any node). The rule is the one the
+job's driver applies again from inside the cluster (worker/placement.py); here it is
+applied to the nodes the cluster has, read through the dashboard and cached for a few
+seconds. A cluster that may grow (TUNEYARD_CLUSTER_AUTOSCALES) is not judged by its
+current nodes, and a cluster that cannot be read refuses nothing: the dispatcher deals
+with an unreachable Ray as it always has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from app.errors import field_problem
+from app.ray_jobs import RayUnavailable
+from contract.placement import NodeResources, placement_shortfalls
+from contract.run_request import ResourcesSpec
+
+log = logging.getLogger("tuneyard")
+
+# Nodes come and go rarely; validating a burst of requests reads them once.
+CLUSTER_VIEW_TTL_S = 5.0
+
+Problem = dict[str, str]
+
+
+def placement_problems(res: ResourcesSpec, nodes: Sequence[NodeResources]) -> list[Problem]:
+    """Why `nodes` (each alive node's total resources) can never hold the run's workers,
+    as field problems naming what was asked and what the cluster has; [] when they can."""
+    return [
+        field_problem(s.field, f"{s.message}; change the request or add nodes")
+        for s in placement_shortfalls(res, nodes)
+    ]
+
+
+class ClusterView:
+    """The cluster's nodes as validation sees them: None when they must not be judged (the
+    cluster autoscales) or are not known (Ray cannot be read, or has no node yet).
+
+    Requests never wait on Ray, except the first one: `POST /v1/runs` holds the database's
+    write lock while it validates, so a stale view is answered at once and read again in
+    the background, at most every `ttl_s`."""
+
+    def __init__(
+        self,
+        read_nodes: Callable[[], list[dict[str, float]]],
+        *,
+        autoscales: bool,
+        ttl_s: float = CLUSTER_VIEW_TTL_S,
+        first_read_wait_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read_nodes = read_nodes
+        self.autoscales = autoscales
+        self._ttl_s = ttl_s
+        self._first_read_wait_s = first_read_wait_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: list[dict[str, float]] | None = None
+        self._read_at: float | None = None
+        self._reading: threading.Thread | None = None
+
+    def refresh(self) -> threading.Thread | None:
+        """Read the nodes again in the background, unless a read is under way or the view
+        is fresh; the read's thread (None when nothing was started)."""
+        if self.autoscales:
+            return None
+        with self._lock:
+            fresh = self._read_at is not None and self._clock() - self._read_at < self._ttl_s
+            if self._reading is None and not fresh:
+                self._reading = threading.Thread(
+                    target=self._read_in_background, name="tuneyard-cluster-view", daemon=True
+                )
+                self._reading.start()
+            return self._reading
+
+    def nodes(self) -> list[dict[str, float]] | None:
+        reading = self.refresh()
+        if reading is not None and self._read_at is None:
+            reading.join(self._first_read_wait_s)  # nothing known yet: wait for the first read
+        return self._nodes
+
+    def _read_in_background(self) -> None:
+        nodes = self._read()
+        with self._lock:
+            self._nodes, self._read_at, self._reading = nodes, self._clock(), None
+
+    def _read(self) -> list[dict[str, float]] | None:
+        try:
+            nodes = self._read_nodes()
+        except RayUnavailable as exc:
+            log.warning("placement not checked: %s", exc)
+            return None
+        except Exception:  # validation must never fail because the cluster view did
+            log.exception("placement not checked: reading the cluster's nodes failed")
+            return None
+        # A cluster with no alive node at all is one still starting: judge nothing by it.
+        return nodes or None
+
+    def problems(self, res: ResourcesSpec) -> list[Problem]:
+        """`placement_problems` against the cluster's current nodes, or [] when they are
+        not to be judged."""
+        nodes = self.nodes()
+        return [] if nodes is None else placement_problems(res, nodes)
