@@ -2,18 +2,30 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build. On a GPU cluster
-# install the CUDA build that matches the driver instead (`make setup TORCH=...`).
+# torch is installed first, pinned, then the project. On Linux, PyPI's torch==2.13.0 is the
+# CUDA build (several GB of CUDA libraries); the CPU build comes from PyTorch's CPU index.
+# This project's machines hold the CPU build on local disk, so plain `make setup` gets it
+# there. Elsewhere pick the build with TORCH_INDEX (or pip options in TORCH itself), on a
+# fresh venv (`make clean` first):
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu     # the CPU build
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128   # CUDA 12.8
+#   make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# (a CUDA version the driver supports: `nvidia-smi` shows the highest).
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+# Each word quoted on its own: TORCH may carry pip options, and a range (`torch>=2.13`)
+# must not become a shell redirection.
+TORCH_PIP_ARGS := $(foreach word,$(TORCH),'$(word)') \
+    $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
 
-.PHONY: setup demo test lint serve bench clean
+.PHONY: setup demo test lint serve bench gpu-check clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python >= 3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -34,6 +46,13 @@ serve: setup
 # Benchmarks against the alternatives; each appends its table to BENCHMARKS.md.
 bench: setup
 	$(BIN)/python -m bench.run_all
+
+# On one GPU: a ~0.5B Llama through the service (ZeRO-2 and ZeRO-3, bf16) next to a plain
+# DeepSpeed script; tokens/s, MFU, peak GPU memory. Not part of `bench` (it needs a GPU).
+# `make gpu-check GPU_CHECK_ARGS=--dry-run` runs its code paths on CPU with a tiny model.
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .tuneyard .pytest_cache .mypy_cache .ruff_cache

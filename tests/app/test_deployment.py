@@ -1,9 +1,11 @@
-"""docker-compose.yml and docker/Dockerfile, checked against the service they deploy.
+"""docker-compose.yml, docker/Dockerfile and the Makefile's torch install, checked against
+the service they deploy.
 
-Docker does not run on this project's machines, so these tests read the files: the compose
-file's structure, that its settings are ones `Settings` knows and accepts, that the pieces
-point at each other (addresses, ports, the shared storage path), that the image pins what
-the Makefile pins, and that no secret is written into the repository.
+No Docker daemon runs on this project's machines (nor `docker compose`), so these tests read
+the files: the compose file's structure, that its settings are ones `Settings` knows and
+accepts, that the pieces point at each other (addresses, ports, the shared storage path),
+that the images pin what the Makefile pins and from the right index (CPU, or CUDA for the
+`gpu` profile's node), and that no secret is written into the repository.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +49,15 @@ def interpolate(value: str) -> str:
     """What compose would pass to the container, with every variable a placeholder."""
     value = value.replace("$$", "\0")
     value = _INTERPOLATION.sub(lambda m: placeholder(m["name"]), value)
+    return value.replace("\0", "$")
+
+
+def interpolate_defaults(value: str) -> str:
+    """What compose would pass with no variable set: `${VAR:-default}` gives its default."""
+    value = value.replace("$$", "\0")
+    value = _INTERPOLATION.sub(
+        lambda m: m["arg"] if m["op"] in ("-", ":-") else placeholder(m["name"]), value
+    )
     return value.replace("\0", "$")
 
 
@@ -279,8 +292,12 @@ class TestSecrets:
 # -- the image ----------------------------------------------------------------------------
 
 
-def dockerfile_stages(path: Path) -> dict[str, dict[str, Any]]:
-    """{stage: {"parent": FROM, "steps": [(INSTRUCTION, arguments)]}}, ARG defaults expanded."""
+def dockerfile_stages(
+    path: Path, build_args: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """{stage: {"parent": FROM, "steps": [(INSTRUCTION, arguments)]}}, ARGs expanded: a build
+    argument where one is given, else the ARG's default."""
+    build_args = build_args or {}
     text = re.sub(r"\\\n", " ", path.read_text())
     stages: dict[str, dict[str, Any]] = {}
     args: dict[str, str] = {}
@@ -296,9 +313,10 @@ def dockerfile_stages(path: Path) -> dict[str, dict[str, Any]]:
             name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(len(stages))
             current = stages[name] = {"parent": parts[0], "steps": []}
             continue
-        if instruction == "ARG" and "=" in rest:
-            key, value = rest.split("=", 1)
-            args[key.strip()] = value.strip().strip("\"'")
+        if instruction == "ARG":
+            key, _, value = rest.partition("=")
+            key = key.strip()
+            args[key] = build_args.get(key, value.strip().strip("\"'"))
         for key, value in args.items():
             rest = re.sub(rf"\$(\{{{key}\}}|{key}\b)", lambda _, v=value: v, rest)
         assert current is not None, f"{path}: {instruction} before FROM"
@@ -323,9 +341,47 @@ def installs_project(run: str) -> bool:
     return "." in tokens
 
 
+def build_args(service: dict[str, Any]) -> dict[str, str]:
+    """A service's build arguments as compose passes them with no variable set."""
+    args = (service.get("build") or {}).get("args") or {}
+    if isinstance(args, list):
+        args = dict(item.split("=", 1) for item in args if "=" in item)
+    return {str(k): interpolate_defaults(str(v)) for k, v in args.items()}
+
+
+def declared_args(path: Path) -> set[str]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    return {
+        line.split(None, 1)[1].split("=", 1)[0].strip()
+        for line in text.splitlines()
+        if line.strip().upper().startswith("ARG ")
+    }
+
+
+def requests_gpus(service: dict[str, Any]) -> bool:
+    """`gpus: all` (or a count or device list), or a device reservation with the gpu
+    capability (deploy.resources.reservations.devices)."""
+    if service.get("gpus"):
+        return True
+    devices = (
+        ((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+    ).get("devices") or []
+    return any("gpu" in (device.get("capabilities") or []) for device in devices)
+
+
+def torch_installs(steps: list[tuple[str, str]]) -> list[str]:
+    """The RUN steps that pip install torch."""
+    return [
+        rest
+        for instruction, rest in steps
+        if instruction == "RUN" and "pip install" in rest and re.search(r"\btorch\b", rest)
+    ]
+
+
 @pytest.fixture(scope="module")
 def builds(services: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
-    """{service: the Dockerfile steps of its image} for the services built from this repo."""
+    """{service: the Dockerfile steps of its image} for the services built from this repo,
+    with the service's build arguments in place of the ARG defaults."""
     result = {}
     for name, service in services.items():
         build = service.get("build")
@@ -334,7 +390,7 @@ def builds(services: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
         context = ROOT / build.get("context", ".")
         dockerfile = context / build.get("dockerfile", "Dockerfile")
         assert dockerfile.is_file(), f"{name}: no {dockerfile}"
-        stages = dockerfile_stages(dockerfile)
+        stages = dockerfile_stages(dockerfile, build_args(service))
         target = build.get("target") or list(stages)[-1]
         assert target in stages, f"{name}: {dockerfile.name} has no stage {target!r}"
         result[name] = stage_steps(stages, target)
@@ -347,9 +403,11 @@ class TestImage:
     ) -> None:
         assert {"ray-head", "api"} <= set(builds)
 
-    def test_torch_is_the_makefiles_cpu_build(
-        self, builds: dict[str, list[tuple[str, str]]]
+    def test_torch_is_the_makefiles_pin_from_the_cpu_or_a_cuda_index(
+        self, services: dict[str, Any], builds: dict[str, list[tuple[str, str]]]
     ) -> None:
+        """The pin names a version, the index the build: PyPI's torch==2.13.0 is the CUDA
+        build on Linux, so the CPU images say the CPU index and the GPU node a CUDA one."""
         match = re.search(r"^TORCH\s*\?=\s*(\S+)\s*$", MAKEFILE.read_text(), re.MULTILINE)
         assert match, "the Makefile has no TORCH ?= line"
         torch = match[1]
@@ -357,9 +415,16 @@ class TestImage:
             runs = [rest for instruction, rest in steps if instruction == "RUN"]
             pins = {pin for run in runs for pin in re.findall(r"torch==[\w.+]+", run)}
             assert pins == {torch}, f"{name}: torch pinned as {pins}, the Makefile says {torch}"
-            assert any(torch in run and "download.pytorch.org/whl/cpu" in run for run in runs), (
-                f"{name}: torch is not installed from the CPU index"
+            index = (
+                r"download\.pytorch\.org/whl/cu\d+"
+                if requests_gpus(services[name])
+                else r"download\.pytorch\.org/whl/cpu"
             )
+            installs = torch_installs(steps)
+            assert installs, f"{name}: the image does not pip install torch"
+            assert all(
+                torch in run and re.search(rf"--index-url[ =]\S*{index}", run) for run in installs
+            ), f"{name}: torch is not installed from {index}: {installs}"
 
     def test_images_install_the_project_and_its_dependencies(
         self, builds: dict[str, list[tuple[str, str]]]
@@ -395,3 +460,132 @@ class TestImage:
             if line.strip() and not line.startswith("#")
         }
         assert {".venv", ".tuneyard", ".env", "tests"} <= ignored
+
+
+# -- GPUs: the compose profile and the Makefile's torch -----------------------------------
+
+
+def profiles(service: dict[str, Any]) -> set[str]:
+    return set(service.get("profiles") or [])
+
+
+@pytest.fixture(scope="module")
+def gpu_nodes(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: service for name, service in services.items() if "gpu" in profiles(service)}
+
+
+class TestGpuProfile:
+    def test_the_default_deployment_has_no_profile_and_no_gpu(
+        self, services: dict[str, Any]
+    ) -> None:
+        """`docker compose up` starts exactly the CPU deployment, on hosts without GPUs."""
+        default = {name for name, service in services.items() if not profiles(service)}
+        assert default == {"postgres", "ray-head", "api"}
+        assert not any(requests_gpus(services[name]) for name in default)
+
+    def test_the_gpu_profile_adds_a_ray_node_that_requests_the_gpus(
+        self, gpu_nodes: dict[str, dict[str, Any]]
+    ) -> None:
+        assert gpu_nodes, "no service in the gpu profile"
+        for name, service in gpu_nodes.items():
+            assert requests_gpus(service), f"{name} does not request GPUs"
+            assert command(service)[:2] == ["ray", "start"], name
+
+    def test_the_gpu_node_joins_the_head_with_its_token(
+        self, services: dict[str, Any], gpu_nodes: dict[str, dict[str, Any]]
+    ) -> None:
+        head = services["ray-head"]
+        gcs_port = flag(command(head), "--port") or "6379"
+        head_token = variables(environment(head)["RAY_AUTH_TOKEN"])
+        for name, service in gpu_nodes.items():
+            args = command(service)
+            assert "--head" not in args, name
+            assert "--block" in args, f"{name}: without --block the container exits"
+            assert flag(args, "--address") == f"ray-head:{gcs_port}", name
+            env = environment(service)
+            assert env.get("RAY_AUTH_MODE") == "token", name
+            assert variables(env.get("RAY_AUTH_TOKEN", "")) == head_token, name
+            depends_on = service.get("depends_on") or {}
+            assert depends_on.get("ray-head", {}).get("condition") == "service_healthy", name
+
+    def test_the_gpu_node_shares_the_heads_storage_at_the_same_path(
+        self, compose: dict[str, Any], services: dict[str, Any], gpu_nodes: dict[str, Any]
+    ) -> None:
+        """Its training workers write checkpoints where the API reads them."""
+        head_mounts = named_mounts(services["ray-head"], compose)
+        for name, service in gpu_nodes.items():
+            assert named_mounts(service, compose) == head_mounts, name
+
+    def test_the_build_argument_reaches_the_torch_install(
+        self,
+        services: dict[str, Any],
+        gpu_nodes: dict[str, dict[str, Any]],
+        builds: dict[str, list[tuple[str, str]]],
+    ) -> None:
+        """The GPU node is the head's image but for one build argument, which the Dockerfile
+        declares and its torch install uses: the installs differ in the index only."""
+        cpu_install = torch_installs(builds["ray-head"])
+        for name, service in gpu_nodes.items():
+            build = service.get("build") or {}
+            assert build.get("target") == services["ray-head"]["build"]["target"], name
+            dockerfile = ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")
+            args = build_args(service)
+            assert args, f"{name} passes no build argument"
+            assert set(args) <= declared_args(dockerfile), f"{name}: {set(args)} not ARGs"
+            gpu_install = torch_installs(builds[name])
+            assert gpu_install != cpu_install, f"{name}: its torch install is the head's"
+            assert [re.sub(r"https://\S+", "URL", run) for run in gpu_install] == [
+                re.sub(r"https://\S+", "URL", run) for run in cpu_install
+            ], f"{name}: the installs differ in more than the index"
+
+    def test_the_gpu_node_checks_that_torch_sees_a_gpu(
+        self, gpu_nodes: dict[str, dict[str, Any]]
+    ) -> None:
+        for name, service in gpu_nodes.items():
+            assert "torch.cuda" in healthcheck_text(service), name
+
+
+def make_dry_run(tmp_path: Path, *variables: str) -> list[str]:
+    """The torch install `make setup` would run, as the shell splits it, without running it
+    (-n: print only; -B: as if nothing were built; a venv path of its own)."""
+    done = subprocess.run(
+        ["make", "-n", "-B", "setup", f"VENV={tmp_path / 'venv'}", *variables],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    installs = [line for line in done.stdout.splitlines() if "pip install" in line]
+    assert installs, done.stdout
+    words = shlex.split(installs[0])
+    return words[words.index("install") + 1 :]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+class TestMakefileTorch:
+    CUDA = "https://download.pytorch.org/whl/cu128"
+
+    def test_by_default_torch_comes_from_pips_own_configuration(self, tmp_path: Path) -> None:
+        """Unchanged for this project's machines and CI: pip finds the CPU build on disk."""
+        assert make_dry_run(tmp_path) == ["--quiet", "torch==2.13.0"]
+
+    def test_torch_index_picks_the_build(self, tmp_path: Path) -> None:
+        assert make_dry_run(tmp_path, f"TORCH_INDEX={self.CUDA}") == [
+            "--quiet",
+            "torch==2.13.0",
+            "--index-url",
+            self.CUDA,
+        ]
+
+    def test_torch_may_carry_the_index_url_itself(self, tmp_path: Path) -> None:
+        torch = f"torch==2.13.0 --index-url {self.CUDA}"
+        assert make_dry_run(tmp_path, f"TORCH={torch}") == [
+            "--quiet",
+            "torch==2.13.0",
+            "--index-url",
+            self.CUDA,
+        ]
+
+    def test_a_version_range_stays_one_argument(self, tmp_path: Path) -> None:
+        """Unquoted, `>` would be a shell redirection."""
+        assert make_dry_run(tmp_path, "TORCH=torch>=2.13,<2.14") == ["--quiet", "torch>=2.13,<2.14"]
