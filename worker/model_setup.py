@@ -210,7 +210,11 @@ def build_model(
     from worker.deepspeed_config import torch_dtype_name
 
     zero3_config = None
-    if ds_config["zero_optimization"]["stage"] == 3:
+    # AutoTP + ZeRO-3 still loads whole on each rank: transformers 5 refuses to load into
+    # zero.Init when the config asks for tensor parallelism ("Weight conversions ... with
+    # DeepSpeed Tensor Parallelism are not yet implemented", integrations/deepspeed.py),
+    # and AutoTP shards whole weights in deepspeed.initialize.
+    if ds_config["zero_optimization"]["stage"] == 3 and "tensor_parallel" not in ds_config:
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
