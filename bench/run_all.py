@@ -29,6 +29,7 @@ ORDER = [
     "packing_throughput",
     "metric_ingest",
     "memory_estimate",
+    "zero3_load_memory",
 ]
 _IS_BENCHMARK = re.compile(r"^\s*record\(|[^.\w]record\(", re.M)
 

@@ -18,6 +18,7 @@ import logging
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("tuneyard")
 
@@ -65,23 +66,34 @@ def trainable_model_types(task: str) -> frozenset[str] | None:
 def checkpoint_parameters(folder: Path) -> int | None:
     """Parameters stored in a save_pretrained folder's safetensors files, or None when it
     has none (a pickled pytorch_model.bin cannot be read without torch)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    headers = safetensors_headers(folder)
+    if not headers:
         return None
-    return sum(_tensor_elements(path) for path in files)
-
-
-def _tensor_elements(path: Path) -> int:
-    with path.open("rb") as f:
-        (length,) = _HEADER_LENGTH.unpack(f.read(_HEADER_LENGTH.size))
-        if length > _MAX_HEADER_BYTES:
-            raise ValueError(f"{path.name} is not a safetensors file")
-        header = json.loads(f.read(length))
     return sum(
-        math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+        math.prod(entry["shape"])
+        for header in headers
+        for name, entry in header.items()
+        if name != "__metadata__"
     )
+
+
+def safetensors_headers(folder: Path) -> list[dict[str, Any]]:
+    """The JSON headers (tensor names, dtypes, shapes) of a save_pretrained folder's
+    safetensors files; [] when it has none or one cannot be read."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [folder / name for name in shards]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        headers = []
+        for path in files:
+            with path.open("rb") as f:
+                (length,) = _HEADER_LENGTH.unpack(f.read(_HEADER_LENGTH.size))
+                if length > _MAX_HEADER_BYTES:
+                    return []
+                headers.append(json.loads(f.read(length)))
+        return headers
+    except (OSError, ValueError, KeyError, struct.error):
+        return []

@@ -17,6 +17,7 @@ from contract.run_request import RunSpec
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
 from worker.deepspeed_config import resolve_deepspeed_config
+from worker.train_loop import model_hidden_size
 
 MODES: dict[str, dict[str, Any]] = {
     "zero0": {"zero_stage": 0},
@@ -57,7 +58,10 @@ class TestValidate:
         spec = RunSpec.model_validate(
             json.loads(ray.submitted[0]["runtime_env"]["env_vars"]["TUNEYARD_RUN_SPEC"])
         )
-        assert report["resolved"]["deepspeed_config"] == resolve_deepspeed_config(spec)
+        # Bucket sizes included: the worker sizes them from the model's hidden size.
+        assert report["resolved"]["deepspeed_config"] == resolve_deepspeed_config(
+            spec, hidden_size=model_hidden_size(spec)
+        )
         zero = report["resolved"]["deepspeed_config"]["zero_optimization"]
         assert zero["stage"] == MODES[mode]["zero_stage"]
         if MODES[mode].get("offload_optimizer") == "cpu":
@@ -119,6 +123,72 @@ class TestValidate:
         ]
         assert states["offloaded_to_cpu"] == states["optimizer_states"] + states["parameters"]
         assert states["on_device"] == states["gradients"]
+
+    def test_estimate_breaks_memory_down_for_a_local_model(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        body = _tiny_request(tmp_path, tiny_model_dir, deepspeed={"zero_stage": 3})
+        report = client.post("/v1/runs/validate", json=body, headers=auth).json()
+        zero = report["resolved"]["deepspeed_config"]["zero_optimization"]
+        # The tiny GPT-2's n_embd is 32: buckets sized from it, not DeepSpeed's 5e8.
+        assert zero["reduce_bucket_size"] == 32 * 32
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)
+        assert zero["stage3_param_persistence_threshold"] == 10 * 32
+
+        estimate = report["estimate"]
+        memory = estimate["memory_per_worker"]
+        assert {
+            "runtime",
+            "parameters",
+            "persistent_parameters",
+            "gathered_parameters",
+            "gradients",
+            "optimizer_states",
+            "optimizer_step_temporaries",
+            "fp32_master_copy",
+            "zero_buckets",
+            "activations",
+            "load_time_peak",
+        } <= set(memory["lines"])
+        lines = memory["lines"]
+        # A CPU run: host memory only.
+        assert all(line["device"] == 0 for line in lines.values())
+        assert lines["zero_buckets"]["host"] == 4 * zero["reduce_bucket_size"]
+        parameters = estimate["parameters"]
+        assert lines["parameters"]["host"] == 4 * parameters // 2  # partitioned over 2
+        assert lines["fp32_master_copy"]["host"] == 4 * parameters // 2
+        training = sum(v["host"] for k, v in lines.items() if k != "load_time_peak")
+        assert memory["peak"]["total"] == memory["peak"]["host"] >= training
+        assert memory["gradient_checkpointing"] is False
+        # The keys clients already read are still there.
+        assert estimate["model_states_bytes_per_worker"]["total"] > 0
+        assert estimate["tokens_per_step"] == 2 * 2 * 32
+
+    def test_gradient_checkpointing_lowers_the_activations_line(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        activations = {}
+        for checkpointing in (False, True):
+            body = _tiny_request(
+                tmp_path,
+                tiny_model_dir,
+                training={"gradient_checkpointing": checkpointing, "seq_length": 128},
+            )
+            memory = client.post("/v1/runs/validate", json=body, headers=auth).json()["estimate"][
+                "memory_per_worker"
+            ]
+            activations[checkpointing] = memory["lines"]["activations"]["host"]
+        assert activations[True] < activations[False]
+
+    def test_no_breakdown_for_a_model_without_safetensors(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        report = client.post("/v1/runs/validate", json=run_request(tmp_path), headers=auth).json()
+        assert report["valid"] is True
+        assert report["estimate"]["memory_per_worker"] is None
+        assert report["estimate"]["parameters"] is None
+        zero = report["resolved"]["deepspeed_config"]["zero_optimization"]
+        assert "reduce_bucket_size" not in zero  # no hidden size: DeepSpeed's defaults
 
     def test_total_steps_from_an_uploaded_files_records(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path

@@ -1,0 +1,307 @@
+"""The per-worker memory breakdown of /v1/runs/validate: its arithmetic, stage by stage.
+
+The breakdown is checked here on a synthetic model, from its relations (what partitions
+over data-parallel ranks, what moves to the host, what the resolved config sizes), and
+against a real checkpoint's files; bench/memory_estimate.py compares it with measured
+memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.services.estimates import (
+    RUNTIME_HOST_BYTES,
+    ModelFacts,
+    activation_bytes,
+    memory_per_worker,
+)
+from contract.run_request import RunDefinition, RunRequest
+from worker.deepspeed_config import resolve_deepspeed_config
+
+HIDDEN = 256
+# A Llama-like model: 8 layers of 4 attention matrices (h x h), 3 MLP matrices (h x 4h) and
+# 2 norms (h); embeddings and head of 1000 x h; a final norm.
+LAYER = [HIDDEN * HIDDEN] * 4 + [HIDDEN * 4 * HIDDEN] * 3 + [HIDDEN] * 2
+TENSORS = tuple(LAYER * 8 + [1000 * HIDDEN, 1000 * HIDDEN, HIDDEN])
+PSI = sum(TENSORS)
+NORMS = sum(n for n in TENSORS if n == HIDDEN)
+
+
+def facts(**overrides: Any) -> ModelFacts:
+    fields: dict[str, Any] = {
+        "tensor_sizes": TENSORS,
+        "checkpoint_bytes": 4 * PSI,  # stored in fp32
+        "layers": 8,
+        "hidden": HIDDEN,
+        "q_dim": HIDDEN,
+        "kv_dim": HIDDEN,
+        "intermediate": 4 * HIDDEN,
+        "vocab": 1000,
+        "gated_mlp": True,
+        "rotary": True,
+    }
+    fields.update(overrides)
+    return ModelFacts(**fields)
+
+
+def spec_for(
+    *,
+    stage: int,
+    workers: int = 2,
+    precision: str = "fp32",
+    gpu: bool = False,
+    checkpointing: bool = False,
+    **deepspeed: Any,
+) -> RunDefinition:
+    body = {
+        "model": "/models/m",
+        "dataset": {"source": "/data/d.jsonl"},
+        "training": {
+            "batch_size_per_worker": 4,
+            "seq_length": 128,
+            "gradient_checkpointing": checkpointing,
+        },
+        "deepspeed": {"zero_stage": stage, "precision": precision, **deepspeed},
+        "resources": {"num_workers": workers, "use_gpu": gpu},
+    }
+    return RunDefinition.model_validate(RunRequest.model_validate(body).worker_fields())
+
+
+def breakdown(spec: RunDefinition, model: ModelFacts | None = None) -> dict[str, Any]:
+    config = resolve_deepspeed_config(spec, bf16_supported=True, hidden_size=HIDDEN)
+    return memory_per_worker(spec, model or facts(), config)
+
+
+def total(line: dict[str, int]) -> int:
+    return line["device"] + line["host"]
+
+
+class TestStages:
+    def test_every_line_is_its_own_key_with_device_and_host_bytes(self) -> None:
+        memory = breakdown(spec_for(stage=3, gpu=True))
+        assert set(memory["lines"]) == {
+            "runtime",
+            "parameters",
+            "persistent_parameters",
+            "gathered_parameters",
+            "gradients",
+            "optimizer_states",
+            "optimizer_step_temporaries",
+            "fp32_master_copy",
+            "zero_buckets",
+            "activations",
+            "load_time_peak",
+        }
+        for name, line in memory["lines"].items():
+            assert set(line) == {"device", "host"}, name
+            assert all(isinstance(v, int) and v >= 0 for v in line.values()), name
+        assert set(memory["formulas"]) >= set(memory["lines"])
+
+    def test_zero0_keeps_everything_whole(self) -> None:
+        lines = breakdown(spec_for(stage=0))["lines"]
+        assert total(lines["parameters"]) == 4 * PSI
+        assert total(lines["gradients"]) == 4 * PSI
+        assert total(lines["optimizer_states"]) == 8 * PSI
+        assert total(lines["fp32_master_copy"]) == 0  # fp32 training: the parameters are it
+        # The engine's all-reduce flattens every gradient into one more buffer.
+        assert total(lines["zero_buckets"]) == 4 * PSI
+        assert total(lines["gathered_parameters"]) == total(lines["persistent_parameters"]) == 0
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_optimizer_state_and_master_copy_partition_over_data_parallel_ranks(
+        self, stage: int
+    ) -> None:
+        two = breakdown(spec_for(stage=stage, workers=2))["lines"]
+        four = breakdown(spec_for(stage=stage, workers=4))["lines"]
+        for name in ("optimizer_states", "fp32_master_copy", "optimizer_step_temporaries"):
+            assert total(two[name]) == pytest.approx(2 * total(four[name]), abs=2), name
+        assert total(two["optimizer_states"]) == pytest.approx(8 * PSI / 2, abs=1)
+        # DeepSpeed clones an fp32 master partition even when training in fp32.
+        assert total(two["fp32_master_copy"]) == pytest.approx(4 * PSI / 2, abs=1)
+
+    def test_gradients_partition_from_stage_2(self) -> None:
+        fp32_step_copy = 4 * PSI / 2  # the partition's gradients flattened to fp32 at the step
+        stage1 = total(breakdown(spec_for(stage=1))["lines"]["gradients"])
+        stage2 = total(breakdown(spec_for(stage=2))["lines"]["gradients"])
+        assert stage1 == pytest.approx(4 * PSI + fp32_step_copy, abs=1)
+        assert stage2 == pytest.approx(4 * PSI / 2 + fp32_step_copy, abs=1)
+
+    def test_stage3_partitions_parameters_but_keeps_persistent_ones_whole(self) -> None:
+        for workers in (2, 4):
+            spec = spec_for(stage=3, workers=workers)
+            zero = resolve_deepspeed_config(spec, hidden_size=HIDDEN)["zero_optimization"]
+            lines = breakdown(spec)["lines"]
+            assert total(lines["parameters"]) == pytest.approx(4 * PSI / workers, abs=1)
+            # 10 x hidden: every norm is under the threshold, every matrix over it.
+            assert zero["stage3_param_persistence_threshold"] == 10 * HIDDEN
+            assert total(lines["persistent_parameters"]) == 4 * NORMS
+        stage2 = breakdown(spec_for(stage=2))["lines"]
+        assert total(stage2["parameters"]) == 4 * PSI
+        assert total(stage2["persistent_parameters"]) == 0
+
+    def test_stage3_keeps_gathered_parameters_up_to_the_whole_model(self) -> None:
+        # DeepSpeed's default stage3_max_reuse_distance (1e9 elements) is far above this
+        # model: what forward gathers stays until backward uses it again.
+        lines = breakdown(spec_for(stage=3))["lines"]
+        assert total(lines["gathered_parameters"]) == 4 * (PSI - NORMS)
+
+    def test_a_16bit_run_keeps_an_fp32_master_copy_beside_adams_moments(self) -> None:
+        lines = breakdown(spec_for(stage=0, precision="bf16", gpu=True))["lines"]
+        assert total(lines["parameters"]) == 2 * PSI
+        assert total(lines["fp32_master_copy"]) == 4 * PSI
+        assert total(lines["optimizer_states"]) == 8 * PSI
+        fp32 = breakdown(spec_for(stage=3, precision="fp32", gpu=True))["lines"]
+        bf16 = breakdown(spec_for(stage=3, precision="bf16", gpu=True))["lines"]
+        assert total(bf16["parameters"]) * 2 == total(fp32["parameters"])
+        assert total(bf16["fp32_master_copy"]) == total(fp32["fp32_master_copy"])
+
+
+class TestPlacement:
+    def test_a_cpu_run_is_all_host_memory(self) -> None:
+        memory = breakdown(spec_for(stage=3, offload_optimizer="cpu"))
+        assert all(line["device"] == 0 for line in memory["lines"].values())
+        assert memory["peak"]["device"] == 0
+        assert memory["peak"]["total"] == memory["peak"]["host"]
+
+    def test_a_gpu_run_keeps_everything_but_the_runtime_on_the_device(self) -> None:
+        lines = breakdown(spec_for(stage=3, gpu=True))["lines"]
+        for name, line in lines.items():
+            if name in ("runtime", "load_time_peak"):
+                continue
+            assert line["host"] == 0, name
+        assert lines["runtime"] == {"device": 0, "host": RUNTIME_HOST_BYTES}
+
+    def test_offload_moves_lines_from_device_to_host(self) -> None:
+        on_device = breakdown(spec_for(stage=3, gpu=True))["lines"]
+        offloaded = breakdown(
+            spec_for(stage=3, gpu=True, offload_optimizer="cpu", offload_params="cpu")
+        )["lines"]
+        for name in ("parameters", "optimizer_states", "fp32_master_copy", "gradients"):
+            assert offloaded[name]["device"] == 0, name
+            assert offloaded[name]["host"] > 0, name
+        assert offloaded["optimizer_states"]["host"] == on_device["optimizer_states"]["device"]
+        assert offloaded["parameters"]["host"] == on_device["parameters"]["device"]
+        # DeepSpeedCPUAdam updates in place: no temporaries.
+        assert total(offloaded["optimizer_step_temporaries"]) == 0
+        # Computing still happens on the device.
+        assert offloaded["activations"] == on_device["activations"]
+        assert offloaded["gathered_parameters"] == on_device["gathered_parameters"]
+
+    def test_offloading_the_optimizer_at_stage_2_leaves_the_parameters_on_the_device(
+        self,
+    ) -> None:
+        lines = breakdown(spec_for(stage=2, gpu=True, offload_optimizer="cpu"))["lines"]
+        assert lines["parameters"]["host"] == 0 and lines["parameters"]["device"] > 0
+        assert lines["optimizer_states"]["device"] == 0
+        assert lines["fp32_master_copy"]["device"] == 0
+
+
+class TestBuckets:
+    def test_bucket_lines_follow_the_resolved_config(self) -> None:
+        spec = spec_for(stage=2)
+        for hidden in (256, 512):
+            config = resolve_deepspeed_config(spec, hidden_size=hidden)
+            assert config["zero_optimization"]["reduce_bucket_size"] == hidden * hidden
+            lines = memory_per_worker(spec, facts(), config)["lines"]
+            assert total(lines["zero_buckets"]) == 4 * hidden * hidden
+
+    def test_overlap_comm_doubles_the_reduce_bucket(self) -> None:
+        spec = spec_for(stage=2, gpu=True, precision="bf16")  # overlap_comm follows use_gpu
+        config = resolve_deepspeed_config(spec, hidden_size=HIDDEN)
+        assert config["zero_optimization"]["overlap_comm"] is True
+        lines = memory_per_worker(spec, facts(), config)["lines"]
+        assert total(lines["zero_buckets"]) == 2 * 2 * HIDDEN * HIDDEN  # bf16, two buffers
+
+    def test_unsized_buckets_cost_what_deepspeed_defaults_to(self) -> None:
+        # A model whose hidden size is unknown: DeepSpeed's 5e8-element reduce bucket.
+        spec = spec_for(stage=2)
+        config = resolve_deepspeed_config(spec, hidden_size=None)
+        assert "reduce_bucket_size" not in config["zero_optimization"]
+        lines = memory_per_worker(spec, facts(), config)["lines"]
+        assert total(lines["zero_buckets"]) == 4 * 500_000_000
+
+
+class TestActivations:
+    def test_gradient_checkpointing_reduces_activations(self) -> None:
+        model = facts(vocab=8)  # the loss's buffers aside
+        plain = activation_bytes(spec_for(stage=2), model, width=4)
+        checkpointed = activation_bytes(spec_for(stage=2, checkpointing=True), model, width=4)
+        assert checkpointed < plain / 4
+        breakdown_plain = breakdown(spec_for(stage=2), model)
+        assert breakdown_plain["gradient_checkpointing"] is False
+        assert "no gradient checkpointing" in breakdown_plain["formulas"]["activations"]
+        with_checkpoints = breakdown(spec_for(stage=2, checkpointing=True), model)
+        assert with_checkpoints["gradient_checkpointing"] is True
+        assert total(with_checkpoints["lines"]["activations"]) == checkpointed
+
+    def test_the_loss_buffers_grow_with_the_vocabulary_not_with_checkpointing(self) -> None:
+        small, large = facts(vocab=1000), facts(vocab=101_000)
+        tokens = 4 * 128
+        for checkpointing in (False, True):
+            spec = spec_for(stage=2, checkpointing=checkpointing)
+            grown = activation_bytes(spec, large, width=4) - activation_bytes(spec, small, width=4)
+            # fp32 logits, log-probabilities and two gradients of batch x seq x vocab.
+            assert grown == tokens * 100_000 * 16
+
+    def test_activations_grow_with_the_batch(self) -> None:
+        spec = spec_for(stage=2)
+        twice = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"batch_size_per_worker": 8})}
+        )
+        assert activation_bytes(twice, facts(), width=4) == 2 * activation_bytes(
+            spec, facts(), width=4
+        )
+
+
+class TestPeak:
+    def test_training_peak_is_the_sum_of_the_lines_but_the_load(self) -> None:
+        memory = breakdown(spec_for(stage=2))
+        lines = memory["lines"]
+        training = sum(total(v) for k, v in lines.items() if k != "load_time_peak")
+        assert memory["peak"]["total"] == max(
+            training, RUNTIME_HOST_BYTES + total(lines["load_time_peak"])
+        )
+        assert memory["peak_phase"] == "training"
+
+    def test_zero3_loads_partitioned_and_rank0_reads_the_checkpoint_in_host_memory(
+        self,
+    ) -> None:
+        load = breakdown(spec_for(stage=3, gpu=True))["lines"]["load_time_peak"]
+        assert load["host"] == 4 * PSI  # the checkpoint, read once by rank 0
+        # The partition, and initialize's flat copy of it.
+        assert load["device"] == pytest.approx(2 * 4 * PSI / 2, abs=1)
+
+    def test_without_zero3_every_rank_builds_the_whole_model(self) -> None:
+        load = breakdown(spec_for(stage=0, gpu=True))["lines"]["load_time_peak"]
+        assert load == {"device": 4 * PSI, "host": 4 * PSI}
+        # A checkpoint in another dtype is converted: read whole besides the new copy.
+        converted = breakdown(spec_for(stage=0, gpu=True), facts(checkpoint_bytes=2 * PSI))
+        assert converted["lines"]["load_time_peak"]["host"] == 4 * PSI + 2 * PSI
+
+    def test_the_load_can_be_the_peak(self) -> None:
+        # A huge checkpoint in another dtype on rank 0 outweighs a small batch's training.
+        memory = breakdown(spec_for(stage=3), facts(checkpoint_bytes=200 * PSI))
+        assert memory["peak_phase"] == "load"
+        assert memory["peak"]["total"] == RUNTIME_HOST_BYTES + total(
+            memory["lines"]["load_time_peak"]
+        )
+
+
+class TestModelFacts:
+    def test_read_from_a_checkpoints_files(self, tiny_llama_dir: Path) -> None:
+        import json
+
+        config = json.loads((tiny_llama_dir / "config.json").read_text())
+        model = ModelFacts.read(tiny_llama_dir, config)
+        assert model is not None
+        assert (model.layers, model.hidden, model.intermediate) == (2, 64, 128)
+        assert (model.q_dim, model.kv_dim) == (64, 32)  # 4 heads, 2 key/value heads of 16
+        assert model.gated_mlp and model.rotary
+        assert model.checkpoint_bytes == 4 * model.parameters  # saved in fp32
+
+    def test_a_folder_without_safetensors_says_nothing(self, tmp_path: Path) -> None:
+        assert ModelFacts.read(tmp_path, {"hidden_size": 64, "num_hidden_layers": 2}) is None
