@@ -25,9 +25,31 @@ class TrainingCodeError(Exception):
 def raised_by_training_code(exc: BaseException) -> bool:
     """Whether a worker's error came from the training code, not from Ray losing it."""
     from ray.exceptions import RayError, RayTaskError
+    from ray.train.v2._internal.exceptions import (
+        WorkerHealthCheckFailedError,
+        WorkerHealthCheckTimeoutError,
+    )
 
+    # Ray Train reports a worker whose process died (or stopped answering) as a failed
+    # health check, not as the ActorDiedError underneath.
+    if isinstance(exc, WorkerHealthCheckFailedError | WorkerHealthCheckTimeoutError):
+        return False
     root = _root(exc)
-    return not (isinstance(root, RayError) and not isinstance(root, RayTaskError))
+    if isinstance(root, RayError) and not isinstance(root, RayTaskError):
+        return False
+    # A peer's collective failing because another rank's process died: if Ray reports it
+    # before the death itself, it is still the death's, which a restart can survive.
+    text = str(root)
+    return not any(marker in text for marker in _PEER_LOST)
+
+
+# What gloo and NCCL raise on the surviving ranks when a peer's process goes away.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+)
 
 
 def failure_code(exc: BaseException) -> str:

@@ -6,6 +6,10 @@ import pickle
 
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
+from ray.train.v2._internal.exceptions import (
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from worker.failures import (
@@ -26,6 +30,9 @@ def test_what_the_code_raised_is_a_training_error_and_a_dead_actor_is_not() -> N
     assert raised_by_training_code(IndexError("index out of range in self"))
     assert raised_by_training_code(task_error(RuntimeError("CUDA out of memory")))
     assert not raised_by_training_code(ActorDiedError())
+    # A survivor's collective error when a peer died is the death's, not its own code's.
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    assert not raised_by_training_code(task_error(lost))
 
 
 def test_the_callback_ends_the_run_with_the_lowest_failing_rank() -> None:
@@ -39,9 +46,20 @@ def test_the_callback_ends_the_run_with_the_lowest_failing_rank() -> None:
     assert str(caught.value) == "worker rank 1: IndexError: index out of range in self"
 
 
-def test_the_callback_leaves_dead_workers_to_rays_retries() -> None:
-    errors: dict[int, Exception] = {0: ActorDiedError(), 1: RuntimeError("Connection reset")}
+@pytest.mark.parametrize(
+    "dead",
+    [
+        ActorDiedError(),
+        # How Ray Train V2 reports a worker process killed under it (seen with SIGKILL).
+        WorkerHealthCheckFailedError("The actor is dead", failure=ActorDiedError()),
+        WorkerHealthCheckTimeoutError("no answer"),
+    ],
+    ids=["actor-died", "health-check-failed", "health-check-timeout"],
+)
+def test_the_callback_leaves_dead_workers_to_rays_retries(dead: Exception) -> None:
+    errors: dict[int, Exception] = {0: dead, 1: RuntimeError("Connection reset")}
     TrainingErrorStop().after_exception(None, errors)  # no raise: Ray restarts the group
+    assert failure_code(WorkerGroupError("lost", {0: dead})) == "cluster_error"
 
 
 def test_the_error_crosses_from_the_controller_to_the_driver_and_reads_well() -> None:
