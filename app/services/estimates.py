@@ -22,6 +22,7 @@ never imports torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,13 +90,12 @@ def _deepspeed_config(checked: CheckedRequest) -> dict[str, Any]:
 
 def estimate(checked: CheckedRequest) -> dict[str, Any]:
     spec = checked.resolved
-    folder = Path(spec.model) if checked.model_config is not None else None
-    parameters = checkpoint_parameters(folder) if folder is not None else None
-    model = (
-        ModelFacts.read(folder, checked.model_config)
-        if folder is not None and checked.model_config is not None and parameters
-        else None
-    )
+    model = parameters = None
+    if checked.model_config is not None:
+        folder = Path(spec.model)
+        # One read of the safetensors headers; the count alone where the layout is unknown.
+        model = ModelFacts.read(folder, checked.model_config)
+        parameters = model.parameters if model else checkpoint_parameters(folder)
     return {
         "parameters": parameters,
         "model_states_bytes_per_worker": (
@@ -189,10 +189,7 @@ class ModelFacts:
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
-                elements = 1
-                for dim in entry["shape"]:
-                    elements *= int(dim)
-                sizes.append(elements)
+                sizes.append(math.prod(entry["shape"]))
                 start, end = entry["data_offsets"]
                 stored += int(end) - int(start)
         activation = str(cfg.get("hidden_act") or cfg.get("activation_function") or "")
