@@ -54,6 +54,8 @@ class ApiKey(Base):
     # sha256 of the secret; the secret itself is shown once, at creation.
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Set by `tuneyard keys revoke`; a revoked key authenticates nothing from then on.
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Run(Base):
@@ -118,7 +120,10 @@ class Metric(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(64))
-    value: Mapped[float] = mapped_column(Float)
+    # None when the value is not a finite number; `nonfinite` then says which
+    # ("nan" | "inf" | "-inf"): neither SQLite's REAL nor JSON holds them.
+    value: Mapped[float | None] = mapped_column(Float)
+    nonfinite: Mapped[str | None] = mapped_column(String(4))
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
@@ -146,6 +151,8 @@ class Event(Base):
     type: Mapped[str] = mapped_column(String(32))  # "status" | "message" | ...
     status: Mapped[str | None] = mapped_column(String(16))
     message: Mapped[str] = mapped_column(Text, default="")
+    # How many times in a row this same event happened (repeats are coalesced into one row).
+    repeats: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
