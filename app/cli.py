@@ -362,6 +362,62 @@ def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for
     typer.echo(issue_api_key(_settings().resolved_database_url, name=name))
 
 
+@keys_app.command("list")
+def keys_list(as_json: JsonOpt = False) -> None:
+    """Every API key: id, name, when created, and when revoked (never the secret)."""
+    from rich.table import Column, Table
+
+    from app.services.api_keys import api_keys_in
+
+    keys: list[dict[str, Any]] = [
+        {
+            "id": key.id,
+            "name": key.name,
+            "created_at": key.created_at.isoformat(),
+            "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
+        }
+        for key in api_keys_in(_settings().resolved_database_url)
+    ]
+    if as_json:
+        _print_json(keys)
+        return
+    table = Table(Column("id", no_wrap=True), "name", "created", "revoked")
+    for key in keys:
+        revoked = key["revoked_at"]
+        table.add_row(
+            key["id"],
+            key["name"],
+            _when(key["created_at"]),
+            f"[red]{_when(revoked)}[/]" if revoked else "",
+        )
+    out.print(table)
+
+
+def _when(iso: str) -> str:
+    return iso[:19].replace("T", " ")
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key: Annotated[str, typer.Argument(help="The key's id, or the name of its one live key.")],
+) -> None:
+    """Revoke an API key: every service process sharing the database refuses it from its
+    next request on. Exit 4 if no key matches, 3 if several live keys share the name."""
+    from app.errors import Conflict, NotFound
+    from app.services.api_keys import revoke_api_key_in
+
+    try:
+        revoked = revoke_api_key_in(_settings().resolved_database_url, ref=key)
+    except NotFound as exc:
+        err.print(f"[red]error:[/] {exc.detail}")
+        raise typer.Exit(ExitCode.NOT_FOUND) from None
+    except Conflict as exc:
+        err.print(f"[red]error:[/] {exc.detail}")
+        raise typer.Exit(ExitCode.REFUSED) from None
+    when = _when(revoked.revoked_at.isoformat()) if revoked.revoked_at else ""
+    out.print(f"{revoked.id} ({revoked.name}) revoked {when}")
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps of the demo run."),

@@ -39,17 +39,27 @@ def runs_table(runs: list[dict[str, Any]]) -> Table:
     for run in runs:
         progress = run["progress"]
         total = progress["total_steps"]
-        loss = run["latest_metrics"].get("loss")
+        loss = metric_text(run, "loss", ".4f")
         table.add_row(
             run["id"],
             styled(run["status"]),
             str(run["attempt"]),
             str(run["spec"]["model"]),
             f"{progress['step']}/{total or '?'}",
-            f"{loss:.4f}" if loss is not None else "",
+            loss,
             run["created_at"][:19].replace("T", " "),
         )
     return table
+
+
+def metric_text(view: dict[str, Any], name: str, spec: str = ".4g") -> str:
+    """One metric of a run or checkpoint view: a non-finite value is served as null with
+    its kind in `nonfinite_metrics`, and shown as that kind."""
+    metrics = view.get("latest_metrics", view.get("metrics")) or {}
+    value = metrics.get(name)
+    if value is None:
+        return str((view.get("nonfinite_metrics") or {}).get(name, ""))
+    return format(value, spec)
 
 
 def checkpoints_table(checkpoints: list[dict[str, Any]]) -> Table:
@@ -62,7 +72,7 @@ def checkpoints_table(checkpoints: list[dict[str, Any]]) -> Table:
         Column("created", no_wrap=True),
     )
     for c in checkpoints:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c["metrics"].items()))
+        metrics = ", ".join(f"{k}={metric_text(c, k)}" for k in sorted(c["metrics"]))
         table.add_row(
             str(c["step"]),
             c["kind"],
@@ -92,7 +102,7 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
     if run.get("queue_position"):
         console.print(f"  queue     position {run['queue_position']}")
     if metrics:
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+        shown = ", ".join(f"{k}={metric_text(run, k)}" for k in sorted(metrics))
         console.print(f"  metrics   {shown}")
     if run["error"]:
         console.print(f"  [red]error[/]     {run['error']['code']}: {run['error']['message']}")
@@ -124,9 +134,9 @@ def watch_run(
             progress, metrics = run["progress"], run["latest_metrics"]
             info = f"step {progress['step']}/{progress['total_steps'] or '?'}"
             if "loss" in metrics:
-                info += f"  loss {metrics['loss']:.4f}"
+                info += f"  loss {metric_text(run, 'loss', '.4f')}"
             if "tokens_per_second" in metrics:
-                info += f"  {metrics['tokens_per_second']:.0f} tok/s"
+                info += f"  {metric_text(run, 'tokens_per_second', '.0f')} tok/s"
             if progress["eta_seconds"] is not None:
                 info += f"  ETA {_duration(progress['eta_seconds'])}"
             bar.update(

@@ -13,11 +13,35 @@ from sqlalchemy.orm import Session, sessionmaker
 
 # Writers wait this long for SQLite's lock instead of failing with "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-# Connections kept open, per engine. Requests run on up to 40 worker threads (AnyIO's
-# default); a pool smaller than the requests in flight closes and reopens connections under
-# load (with SQLite, each reopening sets its pragmas again), so keep enough for a busy client.
-POOL_SIZE = 20
-POOL_MAX_OVERFLOW = 20
+# Connections, per engine and process. Every connection a request uses is taken under an
+# admission slot (app/api/deps.py) that is awaited on the event loop, and the pool holds a
+# connection for every slot at once, plus the work that is not admitted: admitted work
+# therefore never waits for a connection, and nothing that waits can hold the connection
+# another waiter needs. With 2 processes on one PostgreSQL this stays well under its default
+# of 100 connections.
+#   request sessions (`SessionDep`, `run_in_read_session`) admitted at once
+REQUEST_SESSION_SLOTS = 24
+#   API-key lookups: slots of their own, as one runs while its request's session is admitted
+KEY_LOOKUP_SLOTS = 4
+#   work outside requests: the dispatcher and reconciler (one thread), a /metrics scrape
+BACKGROUND_CONNECTIONS = 4
+# Beyond those, for work nobody counts (an event stream's polls): it holds a connection only
+# while it reads, so whoever waits for it waits briefly, never for good.
+POOL_MAX_OVERFLOW = 8
+# How long a checkout waits before failing; with the sizes above, only uncounted work waits.
+POOL_TIMEOUT_S = 30.0
+
+
+def pool_size() -> int:
+    return REQUEST_SESSION_SLOTS + KEY_LOOKUP_SLOTS + BACKGROUND_CONNECTIONS
+
+
+def _pool_options() -> dict[str, Any]:
+    return {
+        "pool_size": pool_size(),
+        "max_overflow": POOL_MAX_OVERFLOW,
+        "pool_timeout": POOL_TIMEOUT_S,
+    }
 
 
 def make_engine(url: str, *, for_writes: bool = True) -> Engine:
@@ -25,9 +49,7 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
     then share the database in WAL mode instead of queueing for the write lock."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(
-            url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=POOL_MAX_OVERFLOW
-        )
+        return create_engine(url, pool_pre_ping=True, **_pool_options())
 
     on_disk = bool(parsed.database) and parsed.database != ":memory:"
     if on_disk:
@@ -36,7 +58,7 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
         url,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
         # In-memory SQLite lives in one connection (SingletonThreadPool), which takes no size.
-        **({"pool_size": POOL_SIZE, "max_overflow": POOL_MAX_OVERFLOW} if on_disk else {}),
+        **(_pool_options() if on_disk else {}),
     )
 
     @event.listens_for(engine, "connect")

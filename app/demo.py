@@ -129,14 +129,13 @@ def _submit_and_watch(
 
 def _show_result(client: TuneyardClient, run: dict[str, Any]) -> None:
     losses = [
-        m["value"]
+        m["nonfinite"] if m["value"] is None else f"{m['value']:.3f}"
         for m in client.http.get(f"/v1/runs/{run['id']}/metrics", params={"name": "loss"}).json()[
             "data"
         ]
     ]
     console.print(
-        f"[green]Succeeded.[/] loss {losses[0]:.3f} → {losses[-1]:.3f} "
-        f"over {len(losses)} logged steps"
+        f"[green]Succeeded.[/] loss {losses[0]} → {losses[-1]} over {len(losses)} logged steps"
     )
     for ckpt in client.checkpoints(run["id"]):
         console.print(f"  {ckpt['kind']:9} step {ckpt['step']:>4}  {ckpt['path']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,13 @@ SUBMIT_GRACE = timedelta(seconds=30)
 LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
 MAX_RAY_BACKOFF_S = 30.0
 LOG_TAIL_LINES = 20
+_OBJECT_ID = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _without_object_ids(text: str) -> str:
+    """requests' errors name objects by address ("<HTTPConnection object at 0x7f…>"), which
+    would make each retry's event differ from the last and defeat their coalescing."""
+    return _OBJECT_ID.sub("", text)
 
 
 def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, Any]:
@@ -192,7 +200,8 @@ class Dispatcher:
             )
             with self._locked(run_id) as (session, run):
                 if run is not None and run.run_status == RunStatus.STARTING:
-                    lifecycle.unclaim(session, run, reason=f"Ray unavailable, will retry: {exc}")
+                    reason = f"Ray unavailable, will retry: {_without_object_ids(str(exc))}"
+                    lifecycle.unclaim(session, run, reason=reason)
             return False
         except RayRejected as exc:
             run_logger.error("Ray rejected the job: %s", exc)

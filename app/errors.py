@@ -38,8 +38,24 @@ class PayloadTooLarge(TuneyardError):
 
 
 class Unauthorized(TuneyardError):
+    """Both credentials tuneyard takes (API keys, run tokens) are bearer tokens; a 401 names
+    the scheme in `WWW-Authenticate`, as RFC 9110 §11.6.1 requires of every 401."""
+
     status_code = 401
     error = "unauthorized"
+
+
+# The realm names the protection space: API keys and run tokens both belong to this service.
+AUTH_REALM = "tuneyard"
+
+
+def bearer_challenge(*, credentials_sent: bool) -> str:
+    """The `WWW-Authenticate` value of a 401 (RFC 6750 §3): a request that sent no token gets
+    the bare challenge; one whose token was refused is told so with `invalid_token`."""
+    challenge = f'Bearer realm="{AUTH_REALM}"'
+    if credentials_sent:
+        challenge += ', error="invalid_token"'
+    return challenge
 
 
 class ValidationFailed(TuneyardError):
@@ -57,7 +73,9 @@ def field_problem(field: str, message: str) -> dict[str, str]:
 
 
 def _field_name(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Only the first part says where (body, query, ...); a body field may be named `path`.
+    where = 1 if loc and loc[0] in ("body", "query", "path", "header", "cookie") else 0
+    parts = [str(p) for p in loc[where:]]
     return ".".join(parts) or "body"
 
 

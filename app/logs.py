@@ -1,15 +1,25 @@
-"""Structured logs: every record that concerns a run carries `run_id` as its own field.
+"""Text that leaves the service: structured logs, and the one rule that takes secrets out.
 
-A record gets its run id from `extra={"run_id": ...}` (see `run_log`) or, inside a request
-for `/v1/runs/{id}/…` or `/v1/internal/runs/{id}/…`, from the request's context.
+Every record that concerns a run carries `run_id` as its own field. A record gets its run id
+from `extra={"run_id": ...}` (see `run_log`) or, inside a request for `/v1/runs/{id}/…` or
+`/v1/internal/runs/{id}/…`, from the request's context.
+
+`redact` is applied wherever text leaves the service: log lines, run events and errors
+(app/services/lifecycle.py), a job's log (app/services/run_logs.py), /healthz, and the
+messages of Ray's errors (app/ray_jobs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import logging
+import os
 import re
 from collections.abc import MutableMapping
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, Literal
 
 from pythonjsonlogger.json import JsonFormatter
@@ -36,7 +46,14 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         run_id = getattr(record, "run_id", None)
-        return f"{line} run_id={run_id}" if run_id else line
+        # The whole line, traceback included: an exception's text may quote a URL.
+        return redact(f"{line} run_id={run_id}" if run_id else line)
+
+
+class _RedactingJsonFormatter(JsonFormatter):
+    def format(self, record: logging.LogRecord) -> str:
+        # The replacements hold no quote or backslash, so the JSON stays valid.
+        return redact(super().format(record))
 
 
 def configure_logging(*, fmt: Literal["text", "json"], level: str) -> None:
@@ -44,7 +61,7 @@ def configure_logging(*, fmt: Literal["text", "json"], level: str) -> None:
     handler.addFilter(RunIdFilter())
     if fmt == "json":
         handler.setFormatter(
-            JsonFormatter(
+            _RedactingJsonFormatter(
                 "%(asctime)s %(levelname)s %(name)s %(message)s %(run_id)s",
                 rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
             )
@@ -85,3 +102,69 @@ class RunIdMiddleware:
             await self.app(scope, receive, send)
         finally:
             current_run_id.reset(token)
+
+
+# -- redaction ------------------------------------------------------------------------------
+
+REDACTED = "[redacted]"
+# scheme://user:password@host → scheme://***@host (a Ray address with a token, a database
+# URL with its password). The user is hidden too: with a token as the "user", it is the secret.
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#@'\"<>]+@")
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
+# The secrets tuneyard itself makes (app/security.py new_secret): API keys `ty_…` and run
+# callback tokens `rt_…`, 43 url-safe characters after the prefix.
+_TUNEYARD_SECRET = re.compile(r"\b(?:ty|rt)_[A-Za-z0-9_-]{40,}")
+# libpq's key=value form: "host=db password=s3cret".
+_DSN_PASSWORD = re.compile(r"(?i)\b(password|passwd|pwd)=(?!\[redacted\])[^\s&;,'\"]+")
+# Names of variables that hold credentials (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY,
+# TUNEYARD_RUN_TOKEN in a worker).
+_SECRET_NAME = re.compile(r"(?i)token|secret|password|passwd|credential|(^|_)key$|api_?key")
+# Shorter values are too likely to occur in ordinary text ("true", a port number).
+_MIN_SECRET_LEN = 8
+
+
+def redact(text: str) -> str:
+    """`text` with every credential the service knows of or recognises taken out: the
+    values of secret-named variables, this process's and the jobs' (TUNEYARD_JOB_ENV, the
+    passed-through ones), Ray's auth token, any URL's userinfo (so TUNEYARD_DATABASE_URL's
+    password and a Ray address's token, wherever they are quoted), bearer tokens,
+    tuneyard's API keys and run tokens, and libpq's `password=`."""
+    for secret in _known_secrets():
+        text = text.replace(secret, REDACTED)
+    text = _URL_USERINFO.sub(r"\1***@", text)
+    text = _BEARER.sub(rf"\1{REDACTED}", text)
+    text = _TUNEYARD_SECRET.sub(REDACTED, text)
+    return _DSN_PASSWORD.sub(rf"\1={REDACTED}", text)
+
+
+def redact_url(url: str | None) -> str | None:
+    """A URL for display: `http://user:token@head:8265` → `http://***@head:8265`."""
+    return None if url is None else redact(url)
+
+
+def _known_secrets() -> list[str]:
+    variables = dict(os.environ)
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        variables.update(json.loads(os.environ.get("TUNEYARD_JOB_ENV") or "{}"))
+    secrets = [str(v) for name, v in variables.items() if _SECRET_NAME.search(name)]
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        secrets.append(_file_secret(path))
+    # Longest first: a secret that contains another is replaced whole.
+    return sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
+
+
+def _file_secret(path: str) -> str:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ""
+    return _read_secret(path, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_secret(path: str, mtime_ns: int) -> str:
+    """Read once per version of the file: redaction runs on every log line."""
+    with contextlib.suppress(OSError):
+        return Path(path).read_text().strip()
+    return ""

@@ -88,7 +88,8 @@ class Run(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)
     epoch: Mapped[float | None] = mapped_column(Float)
-    latest_metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    # A non-finite value as its kind's name ("nan", "inf", "-inf"): JSON holds no NaN.
+    latest_metrics: Mapped[dict[str, float | str]] = mapped_column(JSON, default=dict)
     model_path: Mapped[str | None] = mapped_column(Text)
     latest_checkpoint: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -138,7 +139,7 @@ class Checkpoint(Base):
     epoch: Mapped[float | None] = mapped_column(Float)
     path: Mapped[str] = mapped_column(Text)
     kind: Mapped[str] = mapped_column(String(16))  # "deepspeed" | "hf"
-    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    metrics: Mapped[dict[str, float | str]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

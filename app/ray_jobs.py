@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import re
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+# Re-exported: the one redaction rule lives with the service's other outgoing text.
+from app.logs import redact, redact_url
 
 log = logging.getLogger("tuneyard")
 
@@ -18,11 +16,19 @@ log = logging.getLogger("tuneyard")
 NODE_LIMIT = 10_000
 
 
-class RayUnavailable(Exception):
+class _RedactedError(Exception):
+    """Its message becomes events, run errors and API answers: no credential in it (Ray's
+    errors quote the address, which may carry a token as `http://user:token@host`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
+
+
+class RayUnavailable(_RedactedError):
     """Ray could not be reached: try again later, the request itself may be fine."""
 
 
-class RayRejected(Exception):
+class RayRejected(_RedactedError):
     """Ray answered and refused the job: trying again will not help."""
 
 
@@ -38,6 +44,11 @@ class RayJobs:
         self._client: Any = None
         self._lock = threading.Lock()
 
+    @property
+    def display_address(self) -> str:
+        """The address as it may be shown: without the credentials it may carry."""
+        return redact_url(self.address) or ""
+
     def _get_client(self) -> Any:
         from ray.job_submission import JobSubmissionClient
 
@@ -46,7 +57,8 @@ class RayJobs:
                 try:
                     self._client = JobSubmissionClient(self.address)
                 except Exception as exc:  # Ray raises bare ConnectionError/RuntimeError here
-                    raise RayUnavailable(f"cannot reach Ray at {self.address}: {exc}") from exc
+                    where = self.display_address
+                    raise RayUnavailable(f"cannot reach Ray at {where}: {exc}") from exc
             return self._client
 
     def retarget(self, address: str) -> None:
@@ -85,7 +97,7 @@ class RayJobs:
                 return
             if _is_connection_error(exc):
                 self._drop_client()
-                raise RayUnavailable(f"cannot reach Ray at {self.address}: {text}") from exc
+                raise RayUnavailable(f"cannot reach Ray at {self.display_address}: {text}") from exc
             raise RayRejected(text) from exc
 
     def state(self, submission_id: str) -> JobState | None:
@@ -129,7 +141,7 @@ class RayJobs:
                 raise_on_missing_output=False,
             )
         except Exception as exc:  # ServerUnavailable, RayStateApiException, auth, timeouts
-            raise RayUnavailable(f"cannot read the nodes of {self.address}: {exc}") from exc
+            raise RayUnavailable(f"cannot read the nodes of {self.display_address}: {exc}") from exc
         return [
             {name: float(amount) for name, amount in (node.resources_total or {}).items()}
             for node in nodes
@@ -150,36 +162,3 @@ def _is_connection_error(exc: Exception) -> bool:
     return isinstance(exc, requests.ConnectionError | ConnectionError | TimeoutError) or (
         "Failed to connect" in str(exc) or "Connection refused" in str(exc)
     )
-
-
-_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
-
-
-def redact(text: str) -> str:
-    """Logs may echo credentials: Ray's auth token and bearer tokens never leave."""
-    for secret in _known_secrets():
-        text = text.replace(secret, "[redacted]")
-    return _BEARER.sub(r"\1[redacted]", text)
-
-
-def _known_secrets() -> list[str]:
-    secrets = [os.environ.get("RAY_AUTH_TOKEN", "")]
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:
-        with contextlib.suppress(OSError):
-            secrets.append(Path(path).read_text().strip())
-    secrets.extend(_job_env_secrets())
-    return [s for s in secrets if len(s) >= 8]
-
-
-# Names of variables that hold credentials (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY).
-_SECRET_NAME = re.compile(r"(?i)token|secret|password|passwd|credential|(^|_)key$|api_?key")
-
-
-def _job_env_secrets() -> list[str]:
-    """Credentials a job may be given (TUNEYARD_JOB_ENV, or passed through from this
-    process's environment, see Settings.resolved_job_env) and so echo in its log."""
-    variables = dict(os.environ)
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        variables.update(json.loads(os.environ.get("TUNEYARD_JOB_ENV") or "{}"))
-    return [str(v) for name, v in variables.items() if _SECRET_NAME.search(name)]

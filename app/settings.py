@@ -6,7 +6,7 @@ import ipaddress
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
@@ -18,6 +18,19 @@ from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PRE
 
 # The demo writes its tiny model and dataset here, so runs may read from it by default.
 DEMO_DIRNAME = "demo"
+# Uploaded files, under the storage path. Reachable only through their file id, by their owner.
+UPLOADS_DIRNAME = "files"
+
+
+class SourceRoots(list[Path]):
+    """The folders a run may read a local model or dataset from (the list itself), and the
+    folders inside them it may never read from, whatever the list says (`refused`): the
+    service's uploads, which a run reaches through a file id that only its owner can use.
+    A list, so that callers which only know the allowed roots keep working."""
+
+    def __init__(self, allowed: Iterable[Path], *, refused: Iterable[Path] = ()) -> None:
+        super().__init__(allowed)
+        self.refused: tuple[Path, ...] = tuple(refused)
 
 
 class Settings(BaseSettings):
@@ -149,12 +162,18 @@ class Settings(BaseSettings):
         return (self.storage_path or self.home_dir / "storage").expanduser().resolve()
 
     @property
-    def resolved_allowed_roots(self) -> list[Path]:
+    def uploads_dir(self) -> Path:
+        return (self.resolved_storage_path / UPLOADS_DIRNAME).resolve()
+
+    @property
+    def resolved_allowed_roots(self) -> SourceRoots:
         if self.allowed_roots:
             roots = [Path(p) for p in self.allowed_roots.split(":") if p]
         else:
+            # $TUNEYARD_HOME holds the storage path by default, uploads included: those stay
+            # refused (see SourceRoots), the rest (exports, the demo) may be trained from.
             roots = [self.home_dir, self.home_dir / DEMO_DIRNAME]
-        return [r.expanduser().resolve() for r in roots]
+        return SourceRoots((r.expanduser().resolve() for r in roots), refused=[self.uploads_dir])
 
     @property
     def resolved_callback_url(self) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Literal, NamedTuple
 
-from contract.run_request import DatasetSpec
+from contract.run_request import LOCAL_SOURCE_PREFIXES, DatasetSpec
 
 # A run's `dataset.source` naming an uploaded file (POST /v1/files) starts with this.
 FILE_ID_PREFIX = "file_"
@@ -37,8 +37,9 @@ def file_format(path: str | PurePath) -> FileFormat | None:
 
 
 def is_local_source(source: str) -> bool:
-    """A path on the cluster's file system (anything else is a hub id or an upload)."""
-    return source.startswith(("/", "./", "../", "~"))
+    """A path on the cluster's file system (anything else is a hub id or an upload). The
+    request schema refuses `~` paths, so a valid source is always one of the three."""
+    return source.startswith(LOCAL_SOURCE_PREFIXES)
 
 
 def is_uploaded(source: str) -> bool:

@@ -2,7 +2,9 @@
 
 # The attempt's RunSpec as JSON (contract/run_request.py).
 SPEC_ENV = "TUNEYARD_RUN_SPEC"
-# The attempt's own callback token: good for this run and attempt only.
+# The attempt's own callback token. It sits in the job's runtime_env, which anyone with the
+# Ray dashboard can read, so it is good for this run's one attempt only, and only while that
+# attempt lasts: the service forgets its hash when the attempt ends (app/services/lifecycle.py).
 TOKEN_ENV = "TUNEYARD_RUN_TOKEN"
 # Where the service listens for the worker's callbacks, as the cluster reaches it.
 CALLBACK_URL_ENV = "TUNEYARD_CALLBACK_URL"

@@ -14,9 +14,13 @@ that need the file system or settings, live in app/services/run_rules.py.
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated, Any, Literal
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,62 +29,165 @@ from pydantic import (
     model_validator,
 )
 
+from contract.bounds import INT32_MAX, refuse_nul
 from contract.examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
 from contract.job_env import SPEC_ENV
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-MetadataValue = Annotated[str, StringConstraints(max_length=256)]
+# -- bounds ---------------------------------------------------------------------------------
+# Each far above any real run. Integers also stay below 2**31 (INT32_MAX): steps, and counts
+# derived from them, are stored in the database's INTEGER columns.
+MAX_STEPS = 100_000_000
+MAX_EPOCHS = 1_000
+# A split, config or record field name: a name, not a document.
+MAX_NAME_CHARS = 256
+# Linux's PATH_MAX and NAME_MAX, in bytes: longer paths make the OS raise ENAMETOOLONG.
+MAX_PATH_BYTES = 4095
+MAX_PATH_COMPONENT_BYTES = 255
+
+# A local source starts like a path; anything else is a hub id (or, for a dataset, an
+# uploaded file's id). `~` is refused rather than expanded: whose home it would name (the
+# service's, the worker's, any `~user`'s) is not the client's to choose.
+LOCAL_SOURCE_PREFIXES = ("/", "./", "../")
+# `scheme:/...`: http://, s3://, file:///x and file:/x alike.
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:/")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _name(value: str) -> str:
+    """A name (split, field, metadata key): one line of printable text."""
+    refuse_nul(value)
+    if _CONTROL.search(value):
+        raise ValueError("must not contain control characters (NUL, newline, tab, ...)")
+    return value
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."
+
+
+def source_problem(value: str, *, uploads: bool = False) -> str | None:
+    """Why `value` is neither a local path nor a hub id (the rule for `model` and
+    `dataset.source`; with `uploads`, an uploaded file's id is a third form), or None.
+
+    Only the shape: whether a path is inside the allowed roots is the service's to check."""
+    try:
+        _name(value)
+    except ValueError as exc:
+        return str(exc)
+    other = ", or an uploaded file's id (POST /v1/files)" if uploads else ""
+    if _URL.match(value):
+        return (
+            f"{_shown(value)} is a URL: tuneyard never fetches URLs; give a Hugging Face hub "
+            f"id or a local path inside the allowed roots{other}"
+        )
+    if value.startswith("~"):
+        return (
+            f"{_shown(value)} starts with '~': home folders are not expanded, give an "
+            "absolute path inside the allowed roots"
+        )
+    if value.startswith(LOCAL_SOURCE_PREFIXES):
+        if len(value.encode("utf-8")) > MAX_PATH_BYTES:
+            return f"a local path is at most {MAX_PATH_BYTES} bytes long"
+        if any(len(part.encode("utf-8")) > MAX_PATH_COMPONENT_BYTES for part in value.split("/")):
+            return (
+                f"a path component (a name between slashes) is at most "
+                f"{MAX_PATH_COMPONENT_BYTES} bytes long"
+            )
+        return None
+    try:
+        validate_repo_id(value)
+    except HFValidationError as exc:
+        # The hub's own rule; its message goes on to quote the value, which we show once.
+        rule = str(exc).split(f": '{value}'")[0].rstrip(".")
+        return (
+            f"{_shown(value)} is neither a local path (absolute, or starting with ./ or ../) "
+            f"nor a Hugging Face hub id ('name' or 'namespace/name'): {rule}"
+        )
+    return None
+
+
+def _model_source(value: str) -> str:
+    if problem := source_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+def _dataset_source(value: str) -> str:
+    if problem := source_problem(value, uploads=True):
+        raise ValueError(problem)
+    return value
+
+
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_name)
+]
+ModelSource = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_PATH_BYTES), AfterValidator(_model_source)
+]
+DatasetSource = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_PATH_BYTES),
+    AfterValidator(_dataset_source),
+]
+# Metadata keys may be any printable text (quotes, accents, CJK): the filter finds them all.
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64), AfterValidator(_name)]
+MetadataValue = Annotated[str, StringConstraints(max_length=256), AfterValidator(refuse_nul)]
 
 
 class DatasetSpec(BaseModel):
     model_config = _strict
 
-    source: str = Field(
-        min_length=1,
-        description="A hub dataset name, or a local .jsonl/.json/.csv/.parquet file or folder.",
+    source: DatasetSource = Field(
+        description="A Hugging Face hub dataset id, an uploaded file's id, or a local "
+        ".jsonl/.json/.csv/.parquet file or folder (an absolute path, or one starting with "
+        "./ or ../) inside the allowed roots.",
     )
-    split: str = "train"
-    config: str | None = None
-    text_field: str = Field(default="text", min_length=1)
-    text_pair_field: str | None = None
-    label_field: str | None = None
+    split: Name = "train"
+    config: Name | None = None
+    text_field: Name = "text"
+    text_pair_field: Name | None = None
+    label_field: Name | None = None
     format: Literal["text", "prompt_completion"] = "text"
     # For format=prompt_completion: the loss is on the completion tokens only.
-    prompt_field: str = Field(default="prompt", min_length=1)
-    completion_field: str = Field(default="completion", min_length=1)
-    eval_split: str | None = None
-    max_samples: int | None = Field(default=None, gt=0)
+    prompt_field: Name = "prompt"
+    completion_field: Name = "completion"
+    eval_split: Name | None = None
+    max_samples: int | None = Field(default=None, gt=0, le=INT32_MAX)
 
 
 class TrainingSpec(BaseModel):
     model_config = _strict
 
-    epochs: int | None = Field(default=1, gt=0)
+    epochs: int | None = Field(default=1, gt=0, le=MAX_EPOCHS)
     max_steps: int | None = Field(
-        default=None, gt=0, description="Optimizer steps; when set, it wins over epochs."
+        default=None,
+        gt=0,
+        le=MAX_STEPS,
+        description="Optimizer steps; when set, it wins over epochs.",
     )
     learning_rate: float = Field(default=1e-5, gt=0, le=1)
     batch_size_per_worker: int = Field(default=1, gt=0, le=4096)
     gradient_accumulation_steps: int = Field(default=1, gt=0, le=4096)
     seq_length: int = Field(default=512, gt=1, le=1_048_576)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.01, ge=0, le=1)
     decay_bias_and_norm: bool = Field(
         default=False,
         description="Apply weight_decay to biases and norm weights too. Off by default, as "
         "in Hugging Face's Trainer; on gives one optimizer parameter group, as DeepSpeed's "
         "config-defined optimizer does.",
     )
-    max_grad_norm: float = Field(default=1.0, ge=0)
-    seed: int = Field(default=42, ge=0)
+    # 0 turns clipping off; norms beyond this clip nothing a real run produces.
+    max_grad_norm: float = Field(default=1.0, ge=0, le=1_000)
+    seed: int = Field(default=42, ge=0, le=INT32_MAX)
     packing: bool = False
     gradient_checkpointing: bool = False
-    log_every_n_steps: int = Field(default=1, gt=0)
+    log_every_n_steps: int = Field(default=1, gt=0, le=MAX_STEPS)
     # With dataset.eval_split: evaluate every N steps (None → only at the end).
-    eval_every_n_steps: int | None = Field(default=None, gt=0)
+    eval_every_n_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
 
     @model_validator(mode="after")
     def _needs_a_length(self) -> TrainingSpec:
@@ -96,7 +203,8 @@ class DeepSpeedSpec(BaseModel):
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     offload_optimizer: Literal["none", "cpu"] = "none"
     offload_params: Literal["none", "cpu"] = "none"
-    tensor_parallel_size: int = Field(default=1, gt=0)
+    # At most resources.num_workers, which it must divide.
+    tensor_parallel_size: int = Field(default=1, gt=0, le=1024)
 
 
 class ResourcesSpec(BaseModel):
@@ -104,10 +212,12 @@ class ResourcesSpec(BaseModel):
 
     num_workers: int = Field(default=2, gt=0, le=1024)
     use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1, gt=0)
+    cpus_per_worker: float = Field(default=1, gt=0, le=1024)
     gpus_per_worker: int | None = Field(
         default=None,
         ge=1,
+        # More than any one node holds: a worker's GPUs are all on its node.
+        le=64,
         description="Whole GPUs per worker (default 1 with use_gpu). Each rank drives one "
         "device; more than one reserves the others for it (e.g. memory headroom).",
     )
@@ -137,8 +247,8 @@ class ResourcesSpec(BaseModel):
 class CheckpointingSpec(BaseModel):
     model_config = _strict
 
-    every_n_steps: int | None = Field(default=None, gt=0)
-    keep_last: int = Field(default=2, gt=0)
+    every_n_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
+    keep_last: int = Field(default=2, gt=0, le=1_000)
     export_hf: bool = True
 
 
@@ -170,7 +280,10 @@ class RunDefinition(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
 
-    model: str = Field(min_length=1, description="A hub model id or a local model folder.")
+    model: ModelSource = Field(
+        description="A Hugging Face hub model id, or a local model folder (an absolute path, "
+        "or one starting with ./ or ../) inside the allowed roots."
+    )
     task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
     dataset: DatasetSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
@@ -205,9 +318,11 @@ class RunSpec(RunDefinition):
     """One attempt of a run as its worker trains it: the run's definition, and which
     attempt and where its checkpoints and exports go (added by the dispatcher)."""
 
-    run_id: str = Field(min_length=1)
-    attempt: int = Field(ge=1)
-    storage_path: str
+    run_id: Name
+    attempt: int = Field(ge=1, le=INT32_MAX)
+    storage_path: Annotated[
+        str, StringConstraints(max_length=MAX_PATH_BYTES), AfterValidator(_name)
+    ]
 
     @classmethod
     def for_attempt(

@@ -12,6 +12,7 @@ import torch
 from contract.datasets import FILE_FORMATS, fields_read_by, is_local_source, local_split_problem
 from contract.run_request import DatasetSpec
 from contract.steps import examples_used
+from worker.sources import refuse_shadowed_hub_id
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -31,7 +32,7 @@ def load_raw_dataset(
 
     split = split or spec.split
     if is_local_source(spec.source):
-        path = Path(spec.source).expanduser()
+        path = Path(spec.source)
         files = (
             sorted(p for p in path.iterdir() if p.suffix.lower() in FILE_FORMATS)
             if path.is_dir()
@@ -54,6 +55,7 @@ def load_raw_dataset(
         assert fmt is not None
         dataset = load_dataset(fmt.builder, data_files=[str(p) for p in files], split=split)
     else:
+        refuse_shadowed_hub_id("dataset.source", spec.source)
         dataset = load_dataset(spec.source, spec.config, split=split)
 
     for name, setting in fields_read_by(task, spec):

@@ -3,6 +3,7 @@ in front of the reductions every rank joins and the service, which rank 0 posts 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,8 @@ from worker.service_client import MetricsSender, ServiceClient
 
 if TYPE_CHECKING:
     from worker.train_loop import StepResult
+
+log = logging.getLogger("tuneyard.worker")
 
 
 class MetricSinks:
@@ -136,8 +139,12 @@ class MetricSinks:
         """Before a checkpoint: every step up to it is delivered, so a restart from that
         checkpoint (which re-trains and re-logs what came after) loses no step's metrics."""
         self._complete_pending()
-        if self.sender is not None:
-            self.sender.flush()
+        if self.sender is not None and not self.sender.flush():
+            # Training goes on (the metrics are not the model), but not silently.
+            log.error(
+                "metrics up to step %s did not all reach the service (see above)",
+                self._progress.get("step", "?"),
+            )
 
     def close(self) -> None:
         # A reduction still in flight here belongs to a failed run (a clean end flushes

@@ -19,6 +19,7 @@ from worker.data import (
     tokenize_dataset,
     tokenize_prompt_completion,
 )
+from worker.sources import refuse_shadowed_hub_id
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -26,6 +27,7 @@ log = logging.getLogger("tuneyard.worker")
 @contextmanager
 def _loading(model: str) -> Iterator[None]:
     """transformers' loading errors end in generic advice; lead with what could not load."""
+    refuse_shadowed_hub_id("model", model)
     try:
         yield
     except OSError as exc:

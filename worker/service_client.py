@@ -3,12 +3,17 @@
 Status and checkpoint posts are rare and matter, so they are sent synchronously with
 retries. Metrics are frequent, so a background thread batches them from a bounded buffer:
 a training step never waits on the network, and a service that is down for a while loses
-nothing that fits in the buffer.
+nothing that fits in the buffer. Points that are lost anyway (refused by the service, or
+pushed out of a full buffer) are counted and logged, and make the next `flush` say so.
+
+Strict JSON has no NaN or Infinity, and a diverging run produces them: `json_safe` is the
+one rule for sending them, as the strings the callback schema reads back as floats.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -25,6 +30,21 @@ log = logging.getLogger("tuneyard.worker")
 # Enough for hours of per-step metrics of a handful of names; the oldest go first.
 METRICS_BUFFER_POINTS = 200_000
 METRICS_BATCH_POINTS = 2_000
+
+_NONFINITE_JSON = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as "NaN", "Infinity" or "-Infinity": httpx
+    refuses them (strict JSON), and the callback schema takes these strings as floats
+    (app/schemas/callbacks.py). Every body the worker posts goes through here."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NONFINITE_JSON[str(value)]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class ServiceClient:
@@ -54,7 +74,12 @@ class ServiceClient:
         A 4xx answer is final (the run ended meanwhile, a bad body): it is logged and not
         retried, since sending it again cannot succeed.
         """
-        body = {"attempt": self.attempt, **body}
+        return self.deliver(path, body, attempts=attempts) is not None
+
+    def deliver(self, path: str, body: dict[str, Any], *, attempts: int = 5) -> int | None:
+        """`post`, telling apart what the service took (2xx) from what it refused for good
+        (3xx/4xx): the answer's status, or None when the service could not be reached."""
+        body = json_safe({"attempt": self.attempt, **body})
         delay = 0.5
         for i in range(attempts):
             try:
@@ -68,13 +93,13 @@ class ServiceClient:
                             response.status_code,
                             response.text[:300],
                         )
-                    return True
+                    return response.status_code
             except httpx.HTTPError as exc:
                 log.warning("posting %s failed: %s", path, exc)
             if i < attempts - 1:
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        return False
+        return None
 
     def status(self, status: str, *, error: str | None = None, code: str | None = None) -> bool:
         body: dict[str, Any] = {"status": status}
@@ -106,6 +131,9 @@ class MetricsSender:
         self._buffer: deque[dict[str, Any]] = deque(maxlen=METRICS_BUFFER_POINTS)
         self._progress: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        # Points lost since the last flush: refused by the service, or pushed out of a full
+        # buffer. Under `_lock`.
+        self._lost = 0
         # One send at a time, so a final flush in close() cannot overtake the thread's send.
         self._send_lock = threading.Lock()
         self._wake = threading.Event()
@@ -115,9 +143,16 @@ class MetricsSender:
 
     def log(self, metrics: dict[str, float], *, step: int, progress: dict[str, Any]) -> None:
         now = datetime.now(UTC).isoformat()
+        # float() here, in the caller: a value that is no number fails where it was logged,
+        # instead of in the sending thread with every point behind it.
+        points = [
+            {"step": step, "name": name, "value": float(value), "time": now}
+            for name, value in metrics.items()
+        ]
         with self._lock:
-            for name, value in metrics.items():
-                self._buffer.append({"step": step, "name": name, "value": value, "time": now})
+            # The deque drops its oldest points to take these: they count as lost.
+            self._lost += max(0, len(self._buffer) + len(points) - METRICS_BUFFER_POINTS)
+            self._buffer.extend(points)
             self._progress = progress
 
     def _take_batch(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -139,26 +174,54 @@ class MetricsSender:
             batch, progress = self._take_batch()
             if not batch:
                 return True
-            if not self._client.post(
-                "/metrics", {"points": batch, "progress": progress}, attempts=attempts
-            ):
+            try:
+                status = self._client.deliver(
+                    "/metrics", {"points": batch, "progress": progress}, attempts=attempts
+                )
+            except BaseException:
+                self._requeue(batch)
+                raise
+            if status is None:
                 self._requeue(batch)
                 return False
+            if status >= 300:
+                # Refused for good (the attempt is over, a body the schema refuses): sending
+                # it again cannot succeed, so it is counted as lost, not retried forever.
+                with self._lock:
+                    self._lost += len(batch)
+                log.error("the service refused %d metric points (HTTP %d)", len(batch), status)
 
     def _run(self) -> None:
         while not self._closed:
             self._wake.wait(self._interval)
             self._wake.clear()
-            self._send_pending(attempts=1)
+            try:
+                self._send_pending(attempts=1)
+            except Exception:
+                # The thread must outlive a failed send: the batch went back to the buffer,
+                # and the next round sends it again. Ending here would lose every later point.
+                log.exception("sending metrics failed; trying again in %.1f s", self._interval)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Deliver everything logged so far, now; False if the service did not take it all."""
+        """Deliver everything logged so far, now. False if the service did not take it all,
+        or if points were lost since the last flush (refused, or out of a full buffer)."""
         deadline = time.monotonic() + timeout_s
-        while not self._send_pending(attempts=1):
+        while not self._try_send():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
-        return True
+        with self._lock:
+            lost, self._lost = self._lost, 0
+        if lost:
+            log.error("%d metric points were lost since the last flush", lost)
+        return lost == 0
+
+    def _try_send(self) -> bool:
+        try:
+            return self._send_pending(attempts=1)
+        except Exception:
+            log.exception("sending metrics failed")
+            return False
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the thread and deliver what is left, trying for up to `timeout_s`: long
@@ -169,7 +232,10 @@ class MetricsSender:
         self._thread.join(timeout=5)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._send_pending(attempts=1):
-                return
+            if self._try_send():
+                break
             time.sleep(1.0)
-        log.warning("%d metric points undelivered", len(self._buffer))
+        with self._lock:
+            lost = self._lost + len(self._buffer)
+        if lost:
+            log.warning("%d metric points undelivered", lost)

@@ -12,6 +12,7 @@ from typing import Any
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
 from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_report_checkpoint
+from worker.jit_lock import clear_stale_jit_locks
 from worker.logs import configure_worker_logging
 from worker.metrics import MetricSinks
 
@@ -97,6 +98,10 @@ class Training:
 def build_training(spec: RunSpec, *, rank: int) -> Training:
     """Tokenizer, data, model, optimizer, scheduler and the DeepSpeed engine, as a run
     trains with them (bench/step_overhead.py builds the same to time the step alone)."""
+    # Before DeepSpeed builds or loads its JIT ops (shared-memory comm in init_distributed,
+    # CPU Adam when the optimizer is offloaded): a build lock a killed worker left behind
+    # would make this rank wait for it forever.
+    clear_stale_jit_locks()
     import deepspeed
     import torch
     from transformers import set_seed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
@@ -12,11 +11,11 @@ import anyio.to_thread
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from app import db
 from app.dispatch import Dispatcher
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
 from app.ray_jobs import RayJobs
-from app.security import hash_secret
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.settings import Settings
@@ -40,7 +39,9 @@ class AppState:
     dispatcher: Dispatcher | None = None
     # The cluster's nodes, for refusing runs it can never place (None without Ray).
     cluster: ClusterView | None = None
-    api_key_cache: _ApiKeyCache = field(default_factory=lambda: _ApiKeyCache())
+    # Admission of database work (sized in app/db.py, read when the app is made; see
+    # `Admission` for why).
+    admission: Admission = field(default_factory=lambda: Admission())
 
 
 def app_state(request: Request) -> AppState:
@@ -87,29 +88,62 @@ def _factory(request: Request) -> sessionmaker[Session]:
     return state.session_factory
 
 
+class Admission:
+    """Why a flood of requests cannot stall the service: the invariant, stated once.
+
+    Every database connection a request uses is taken under a slot awaited here, on the event
+    loop, before the work goes to a worker thread: a request waiting for a slot holds neither
+    a thread nor a connection. The pools (app/db.py) hold a connection for every slot at
+    once, so admitted work never waits for a connection. An admitted session's end (commit or
+    rollback, then close, which returns its connection) runs on threads of its own
+    (`session_threads`), so it never queues behind routes for one of AnyIO's 40 shared worker
+    threads. Before this, up to 40 sessions could hold the pool's 40 connections while
+    waiting for a thread to close them, and the 40 threads waited for a connection: nothing
+    moved until the pool's 30 s timeout failed them.
+
+    API-key lookups have slots of their own: a lookup runs while its request's session holds
+    a slot, and taking a second slot of the same kind could wait on the sessions it holds up.
+    A session slot is never taken while another is held (`run_in_read_session` serves routes
+    without `SessionDep`)."""
+
+    def __init__(self) -> None:
+        self.sessions = anyio.Semaphore(db.REQUEST_SESSION_SLOTS, fast_acquire=True)
+        self.session_threads = anyio.CapacityLimiter(db.REQUEST_SESSION_SLOTS)
+        self.key_lookups = anyio.CapacityLimiter(db.KEY_LOOKUP_SLOTS)
+
+
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """The request owns the transaction: commit when the route returns, roll back on error."""
+    state = app_state(request)
     factory = _factory(request)
     lock: anyio.Lock | None = None
-    if factory is app_state(request).session_factory and _is_sqlite(factory):
+    if factory is state.session_factory and _is_sqlite(factory):
         # SQLite has one writer at a time. Write requests queue here, on the event loop,
-        # rather than each holding a worker thread while it waits for the lock: with every
-        # pool thread waiting, the holder could not get one to finish its response.
-        lock = app_state(request).sqlite_write_lock
+        # rather than each holding a worker thread while it waits for the lock. Before the
+        # admission slot: a writer waiting for the lock should not keep a reader out.
+        lock = state.sqlite_write_lock
         await lock.acquire()
     try:
-        session = factory()
-        try:
-            yield session
-        except BaseException:
-            await anyio.to_thread.run_sync(_end_transaction, session, False)
-            raise
-        # One trip to a worker thread for both commit and close: each trip costs as much as
-        # a small query does.
-        await anyio.to_thread.run_sync(_end_transaction, session, True)
+        async with state.admission.sessions:
+            session = factory()
+            try:
+                yield session
+            except BaseException:
+                await _end(state, session, commit=False)
+                raise
+            await _end(state, session, commit=True)
     finally:
         if lock is not None:
             lock.release()
+
+
+async def _end(state: AppState, session: Session, *, commit: bool) -> None:
+    # One trip to a worker thread for both commit and close: each trip costs as much as a
+    # small query does. Shielded: the slot must not be given back before the connection is.
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(
+            _end_transaction, session, commit, limiter=state.admission.session_threads
+        )
 
 
 def _end_transaction(session: Session, commit: bool) -> None:
@@ -131,16 +165,23 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
     writer, and a lookup by key takes less time than a trip to a worker thread. Those trips,
     and the handing of the GIL back and forth that comes with them, are what made polling's
     tail latency (BENCHMARKS.md, status polling). Other databases are a network round trip
-    away, so their reads go to a worker thread."""
-    factory = app_state(request).read_session_factory
+    away, so their reads go to a worker thread. Either way under an admission slot: the
+    connection it takes is one the pool keeps for it."""
+    state = app_state(request)
+    factory = state.read_session_factory
 
     def in_session() -> T:
         with factory() as session:
             return read(session)
 
-    if _is_sqlite(factory):
-        return in_session()
-    return await anyio.to_thread.run_sync(in_session)
+    async with state.admission.sessions:
+        if _is_sqlite(factory):
+            return in_session()
+        with anyio.CancelScope(shield=True):
+            result = await anyio.to_thread.run_sync(
+                in_session, limiter=state.admission.session_threads
+            )
+        return result
 
 
 def _is_sqlite(factory: sessionmaker[Session]) -> bool:
@@ -174,56 +215,33 @@ class Principal:
     name: str
 
 
-# A verified API key is remembered this long, so that a client polling many times a second
-# costs no database read (and no worker thread) per request to check its key. Keys are
-# never deleted today; should revoking one be added, it takes effect within this time.
-API_KEY_CACHE_TTL_S = 30.0
-API_KEY_CACHE_SIZE = 1024
-
-
-class _ApiKeyCache:
-    """Principals of recently verified keys, by the key's hash. Used from the event loop
-    only, so it needs no lock. Unknown keys are not remembered: nothing to fill it with."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[float, Principal]] = {}
-
-    def get(self, key_hash: str) -> Principal | None:
-        entry = self._entries.get(key_hash)
-        if entry is None:
-            return None
-        expires, principal = entry
-        if expires < time.monotonic():
-            del self._entries[key_hash]
-            return None
-        return principal
-
-    def put(self, key_hash: str, principal: Principal) -> None:
-        if len(self._entries) >= API_KEY_CACHE_SIZE:
-            self._entries.clear()
-        self._entries[key_hash] = (time.monotonic() + API_KEY_CACHE_TTL_S, principal)
-
-
 async def get_principal(request: Request, settings: SettingsDep) -> Principal:
+    """One indexed lookup per request, no cache: a revoked key (`tuneyard keys revoke`) is
+    refused from the next request on, by every process that shares the database."""
     if settings.auth == "disabled":
         return Principal(id=LOCAL_PRINCIPAL, name="local")
     token = bearer_token(request)
-    if not token:
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
-    cache = app_state(request).api_key_cache
-    key_hash = hash_secret(token)
-    principal = cache.get(key_hash)
+    principal = None if not token else await _find_principal(app_state(request), token)
     if principal is None:
-        factory = app_state(request).read_session_factory
-        principal = await anyio.to_thread.run_sync(_find_principal, factory, token)
-        if principal is None:
-            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
-        cache.put(key_hash, principal)
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
     return principal
 
 
-def _find_principal(factory: sessionmaker[Session], secret: str) -> Principal | None:
-    # A short read of its own, so a write request does not hold the lock while checking.
+async def _find_principal(state: AppState, secret: str) -> Principal | None:
+    # A short read of its own, so a write request does not hold the lock while checking. On
+    # SQLite on the event loop, as in `run_in_read_session`; elsewhere on a thread of the
+    # lookups' own, whose limiter is their admission.
+    factory = state.read_session_factory
+    limiter = state.admission.key_lookups
+    if _is_sqlite(factory):
+        async with limiter:
+            return _lookup(factory, secret)
+    with anyio.CancelScope(shield=True):
+        principal = await anyio.to_thread.run_sync(_lookup, factory, secret, limiter=limiter)
+    return principal
+
+
+def _lookup(factory: sessionmaker[Session], secret: str) -> Principal | None:
     with factory() as session:
         key = find_api_key(session, secret=secret)
         return None if key is None else Principal(id=key.id, name=key.name)

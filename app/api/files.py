@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, TypeVar
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Form, Request, Security, UploadFile, status
+from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep
-from app.errors import PayloadTooLarge
+from app.api.body_limit import UploadLimitedRoute
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, app_state
+from app.db import transaction
 from app.schemas.errors import error_responses
 from app.schemas.file_view import FileView
 from app.schemas.security_schemes import api_key
 from app.services import files
 from contract.datasets import Purpose, required_fields
 
-router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Security(api_key)])
+router = APIRouter(
+    prefix="/v1/files",
+    tags=["files"],
+    dependencies=[Security(api_key)],
+    route_class=UploadLimitedRoute,
+)
 
 _UNAUTHORIZED = "Missing or invalid API key"
+
+T = TypeVar("T")
 
 
 @router.post(
@@ -37,10 +50,9 @@ _UNAUTHORIZED = "Missing or invalid API key"
         }
     ),
 )
-def upload_file(
+async def upload_file(
     request: Request,
     file: UploadFile,
-    session: SessionDep,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     purpose: Annotated[Purpose, Form()] = "text",
@@ -50,13 +62,8 @@ def upload_file(
     prompt_field: Annotated[str, Form(min_length=1)] = "prompt",
     completion_field: Annotated[str, Form(min_length=1)] = "completion",
 ) -> FileView:
-    declared = int(request.headers.get("content-length") or 0)
-    # Multipart framing adds a little; anything far beyond the limit is refused unread.
-    if declared > settings.max_upload_bytes + 64 * 1024:
-        raise PayloadTooLarge(
-            f"the upload is larger than the {settings.max_upload_bytes}-byte limit "
-            "(TUNEYARD_MAX_UPLOAD_BYTES)"
-        )
+    # No SessionDep: its write transaction (and on SQLite the one writer's lock) would be
+    # held while the file is copied and checked. Only the insert runs in a transaction.
     required = required_fields(
         purpose,
         text_field=text_field,
@@ -65,18 +72,70 @@ def upload_file(
         label_field=label_field,
         text_pair_field=text_pair_field,
     )
-    upload = files.store_upload(
-        session,
-        owner_id=principal.id,
-        filename=file.filename or "upload",
-        stream=file.file,
-        storage_dir=settings.resolved_storage_path / "files",
-        max_bytes=settings.max_upload_bytes,
-        purpose=purpose,
-        required=[f.name for f in required],
-        label_field=label_field if purpose == "sequence_classification" else None,
+    state = app_state(request)
+    storage_dir = settings.resolved_storage_path / "files"
+    await _admitted(
+        request,
+        lambda: files.sweep_partials_now_and_then(
+            state.read_session_factory, storage_dir=storage_dir
+        ),
     )
-    return FileView.of(upload)
+    received = await anyio.to_thread.run_sync(
+        lambda: files.receive_upload(
+            filename=files.safe_filename(file.filename),
+            stream=file.file,
+            storage_dir=storage_dir,
+            max_bytes=settings.max_upload_bytes,
+            required=[f.name for f in required],
+            label_field=label_field if purpose == "sequence_classification" else None,
+        )
+    )
+    # Shielded: a cancellation between the commit and the rename would leave the row
+    # without its file until the next sweep.
+    with anyio.CancelScope(shield=True):
+        try:
+            async with _one_writer(request):
+                view = await _admitted(
+                    request,
+                    lambda: _record(state.session_factory, received, principal.id, purpose),
+                )
+        except BaseException:
+            files.discard_upload(received)
+            raise
+        await anyio.to_thread.run_sync(files.publish_upload, received)
+    return view
+
+
+def _record(
+    factory: sessionmaker[Session], received: files.ReceivedUpload, owner_id: str, purpose: Purpose
+) -> FileView:
+    with transaction(factory) as session:
+        return FileView.of(
+            files.record_upload(session, upload=received, owner_id=owner_id, purpose=purpose)
+        )
+
+
+@asynccontextmanager
+async def _one_writer(request: Request) -> AsyncIterator[None]:
+    """SQLite's one-writer lock, as get_session takes it for write requests (no-op elsewhere)."""
+    state = app_state(request)
+    bind = state.session_factory.kw.get("bind")
+    if bind is None or bind.dialect.name != "sqlite":
+        yield
+        return
+    async with state.sqlite_write_lock:
+        yield
+
+
+async def _admitted(request: Request, work: Callable[[], T]) -> T:
+    """`work`, which uses a session, on a worker thread under an admission slot, as the
+    sessions of `SessionDep` are (see deps.Admission)."""
+    admission = app_state(request).admission
+    async with admission.sessions:
+        # Shielded: the slot must not be given back before the thread's connection is.
+        with anyio.CancelScope(shield=True):
+            result = await anyio.to_thread.run_sync(work, limiter=admission.session_threads)
+    return result
 
 
 @router.get(

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from sqlalchemy import text
 
 from app.api.deps import JobsDep, SessionDep
+from app.logs import redact_url
 from app.schemas.health import HealthView
 
 router = APIRouter(tags=["health"])
@@ -24,9 +25,11 @@ def healthz(session: SessionDep, jobs: JobsDep) -> dict:
         database = "ok"
     except Exception as exc:  # report, don't raise: health must answer when parts are down
         database = f"error: {type(exc).__name__}"
+    # Unauthenticated: the address is shown without the credentials it may carry.
+    address = redact_url(jobs.address) if jobs else None
     ray = {
-        "address": jobs.address if jobs else None,
-        "dashboard_url": jobs.address if jobs else None,
+        "address": address,
+        "dashboard_url": address,
         "reachable": bool(jobs and jobs.reachable()),
     }
     ok = database == "ok" and ray["reachable"]

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Security
+import functools
+from typing import Annotated
 
-from app.api.deps import MetricsDep, SessionDep, bearer_token
+from fastapi import APIRouter, Depends, Request, Security
+
+from app.api.deps import MetricsDep, SessionDep, bearer_token, run_in_read_session
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
 from app.services import callbacks
 from app.services.lifecycle import record_event
+
+
+async def verified_token(run_id: str, request: Request) -> str:
+    """The hash of the run's token, once the request's token matched it. A dependency that
+    every route declares before `SessionDep`: a wrong token is refused after one read, and
+    never takes a write session (on SQLite, the one write lock that every writer queues for).
+    """
+    stored = await run_in_read_session(
+        request, functools.partial(callbacks.read_token_hash, run_id=run_id)
+    )
+    return callbacks.verify_token(bearer_token(request), stored)
+
+
+# Declared before SessionDep in each route: FastAPI solves dependencies in that order.
+VerifiedToken = Annotated[str, Depends(verified_token)]
 
 router = APIRouter(
     prefix="/v1/internal/runs", tags=["worker callbacks"], dependencies=[Security(run_token)]
@@ -18,8 +36,7 @@ router = APIRouter(
 _errors = error_responses(
     {
         400: "The body is not UTF-8 text",
-        401: "Missing, wrong or expired run token",
-        404: "No such run",
+        401: "Missing, wrong or expired run token, or no such run (alike, on purpose)",
         409: "The attempt is over, or the status change is not allowed",
         422: "The body breaks the callback schema; `detail` names each field and rule",
     }
@@ -28,10 +45,14 @@ _errors = error_responses(
 
 @router.post("/{run_id}/status", summary="Worker: report a status change", responses=_errors)
 def post_status(
-    run_id: str, body: StatusPost, request: Request, session: SessionDep, metrics: MetricsDep
+    run_id: str,
+    body: StatusPost,
+    token_hash: VerifiedToken,
+    session: SessionDep,
+    metrics: MetricsDep,
 ) -> dict:
     run = callbacks.authorize_worker(
-        session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
+        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
     callbacks.apply_status(session, run, body)
     metrics.callbacks.labels("status").inc()
@@ -40,10 +61,14 @@ def post_status(
 
 @router.post("/{run_id}/metrics", summary="Worker: post a batch of metrics", responses=_errors)
 def post_metrics(
-    run_id: str, body: MetricsPost, request: Request, session: SessionDep, metrics: MetricsDep
+    run_id: str,
+    body: MetricsPost,
+    token_hash: VerifiedToken,
+    session: SessionDep,
+    metrics: MetricsDep,
 ) -> dict:
     run = callbacks.authorize_worker(
-        session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
+        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
     stored = callbacks.store_metrics(session, run, body)
     metrics.callbacks.labels("metrics").inc()
@@ -53,10 +78,14 @@ def post_metrics(
 
 @router.post("/{run_id}/checkpoints", summary="Worker: record a checkpoint", responses=_errors)
 def post_checkpoint(
-    run_id: str, body: CheckpointPost, request: Request, session: SessionDep, metrics: MetricsDep
+    run_id: str,
+    body: CheckpointPost,
+    token_hash: VerifiedToken,
+    session: SessionDep,
+    metrics: MetricsDep,
 ) -> dict:
     run = callbacks.authorize_worker(
-        session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
+        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
     checkpoint = callbacks.store_checkpoint(session, run, body)
     metrics.callbacks.labels("checkpoint").inc()
@@ -67,10 +96,14 @@ def post_checkpoint(
     "/{run_id}/events", summary="Worker: record something that happened", responses=_errors
 )
 def post_event(
-    run_id: str, body: EventPost, request: Request, session: SessionDep, metrics: MetricsDep
+    run_id: str,
+    body: EventPost,
+    token_hash: VerifiedToken,
+    session: SessionDep,
+    metrics: MetricsDep,
 ) -> dict:
     run = callbacks.authorize_worker(
-        session, run_id=run_id, token=bearer_token(request), attempt=body.attempt
+        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
     event = record_event(session, run, type=body.type, message=body.message)
     session.flush()

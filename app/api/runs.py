@@ -9,6 +9,7 @@ from fastapi import (
     BackgroundTasks,
     Body,
     Header,
+    Path,
     Query,
     Request,
     Response,
@@ -16,6 +17,7 @@ from fastapi import (
     status,
 )
 from fastapi.responses import PlainTextResponse
+from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
@@ -46,6 +48,7 @@ from app.schemas.run_view import (
 from app.schemas.security_schemes import api_key
 from app.services import lifecycle, run_data, run_logs, run_stream, runs
 from app.status import RunStatus
+from contract.bounds import INT32_MAX, INT64_MAX, refuse_nul
 from contract.examples import RUN_REQUEST_EXAMPLES
 from contract.run_request import RunRequest
 
@@ -58,6 +61,17 @@ _NOT_FOUND = "No such run (or not yours)"
 _INVALID_PARAMETER = "A parameter breaks a rule; `detail` names it and the rule"
 # FastAPI documents a 422 for every operation that takes parameters; give it the real shape.
 _errors = error_responses({401: _UNAUTHORIZED, 404: _NOT_FOUND, 422: _INVALID_PARAMETER})
+
+# Strings that reach a query refuse NUL, and numbers are bounded by their column, so that
+# PostgreSQL never gets a value it would refuse (a 500): the client gets a 422 naming it.
+RunId = Annotated[str, Path(), AfterValidator(refuse_nul)]
+# Cursors are short; the bound also keeps a hostile one from nesting deep enough to
+# exhaust the recursion of the JSON decoder that reads the runs list's cursor.
+Cursor = Annotated[
+    str | None,
+    Query(max_length=256, description="`next_cursor` from the previous page"),
+    AfterValidator(refuse_nul),
+]
 
 
 @router.post(
@@ -167,7 +181,7 @@ def list_runs(
     principal: CurrentPrincipal,
     status_filter: Annotated[RunStatus | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=runs.MAX_PAGE)] = 20,
-    cursor: str | None = None,
+    cursor: Cursor = None,
 ) -> RunList:
     metadata = {
         key.removeprefix("metadata."): value
@@ -189,7 +203,7 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunView, summary="Get one run", responses=_errors)
-async def get_run(run_id: str, request: Request, principal: CurrentPrincipal) -> Response:
+async def get_run(run_id: RunId, request: Request, principal: CurrentPrincipal) -> Response:
     # The hot path of every poller: one trip to a worker thread for the whole read, and the
     # view serialized once, there (see json_response).
     def read(session: Session) -> Response:
@@ -203,13 +217,13 @@ async def get_run(run_id: str, request: Request, principal: CurrentPrincipal) ->
     "/{run_id}/metrics", response_model=MetricList, summary="A run's metrics", responses=_errors
 )
 def get_metrics(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
-    name: str | None = None,
-    after_step: Annotated[int | None, Query(ge=-1)] = None,
+    name: Annotated[str | None, Query(max_length=64), AfterValidator(refuse_nul)] = None,
+    after_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX)] = None,
     limit: Annotated[int, Query(ge=1, le=run_data.MAX_METRICS_PAGE)] = 1000,
-    cursor: str | None = None,
+    cursor: Cursor = None,
 ) -> MetricList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     rows, next_cursor = run_data.list_metrics(
@@ -225,7 +239,7 @@ def get_metrics(
     responses=_errors,
 )
 def get_checkpoints(
-    run_id: str, session: SessionDep, principal: CurrentPrincipal
+    run_id: RunId, session: SessionDep, principal: CurrentPrincipal
 ) -> CheckpointList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     return CheckpointList(
@@ -240,10 +254,12 @@ def get_checkpoints(
     responses=_errors,
 )
 def get_events(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
-    after: Annotated[int | None, Query(description="Only events with a larger id")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=INT64_MAX, description="Only events with a larger id")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
@@ -264,7 +280,7 @@ def get_events(
     responses={**_errors, **error_responses({409: "The run already finished"})},
 )
 def cancel_run(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
     jobs: JobsDep,
@@ -286,7 +302,7 @@ def cancel_run(
     responses={**_errors, **error_responses({409: "The run is not failed or cancelled"})},
 )
 def resume_run(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
@@ -314,7 +330,7 @@ def resume_run(
     ),
 )
 def get_logs(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
     jobs: JobsDep,
@@ -346,7 +362,7 @@ def get_logs(
     },
 )
 def stream_events(
-    run_id: str,
+    run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
     factory: ReadSessionFactoryDep,

@@ -33,16 +33,26 @@ def error_responses(
     in plain text still answers errors in JSON, so it refers to the schema by name instead
     (registered by the routes that name the model).
     """
-    if non_json_route:
-        content = {"application/json": {"schema": {"$ref": _ERROR_RESPONSE_REF}}}
-        return {
-            code: {"description": description, "content": content}
-            for code, description in descriptions.items()
-        }
-    return {
-        code: {"model": ErrorResponse, "description": description}
-        for code, description in descriptions.items()
-    }
+    responses: dict[int | str, dict[str, Any]] = {}
+    for code, description in descriptions.items():
+        response: dict[str, Any] = {"description": description}
+        if non_json_route:
+            response["content"] = {"application/json": {"schema": {"$ref": _ERROR_RESPONSE_REF}}}
+        else:
+            response["model"] = ErrorResponse
+        if code == 401:
+            response["headers"] = _CHALLENGE_HEADER
+        responses[code] = response
+    return responses
 
 
 _ERROR_RESPONSE_REF = f"#/components/schemas/{ErrorResponse.__name__}"
+
+# Every 401 carries it (app/api/error_handlers.py), as RFC 9110 §11.6.1 requires.
+_CHALLENGE_HEADER = {
+    "WWW-Authenticate": {
+        "description": 'The scheme to authenticate with: `Bearer realm="tuneyard"`, with '
+        '`error="invalid_token"` when the token sent was refused (RFC 6750 §3).',
+        "schema": {"type": "string"},
+    }
+}

@@ -8,8 +8,11 @@ from pydantic import BaseModel, Field
 
 
 class RayHealth(BaseModel):
-    address: str | None
-    dashboard_url: str | None
+    address: str | None = Field(
+        examples=["http://***@head:8265"],
+        description="The Ray address the service uses, its credentials (userinfo) hidden.",
+    )
+    dashboard_url: str | None = Field(description="The dashboard's URL, credentials hidden.")
     reachable: bool
 
 

@@ -2,13 +2,58 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from app.models import Checkpoint, Event, Metric
+
+# A metric that is not a finite number (a diverging run's loss): JSON and SQLite's REAL
+# hold no NaN or infinity, so it is stored and served as null plus this flag.
+NonFinite = Literal["nan", "inf", "-inf"]
+_KINDS: dict[str, NonFinite] = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
+
+_NONFINITE_DOC = (
+    "Metrics whose value is not a finite number (a diverging run), by name: "
+    '"nan", "inf" or "-inf". Their value in `{field}` is null: JSON has no NaN or Infinity.'
+)
+
+
+def nonfinite_kind(value: float) -> NonFinite | None:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return None
+
+
+def stored_metric_value(value: float) -> float | str:
+    """How a metric goes into a JSON column (`runs.latest_metrics`, `checkpoints.metrics`):
+    a non-finite one as its kind's name, since JSON cannot hold it (PostgreSQL refuses the
+    NaN token outright). `split_metric_map` reads it back."""
+    return nonfinite_kind(value) or value
+
+
+def split_metric_map(
+    stored: Mapping[str, object],
+) -> tuple[dict[str, float | None], dict[str, NonFinite]]:
+    """A stored metric map as it is served: values (null where not finite) and flags."""
+    values: dict[str, float | None] = {}
+    flags: dict[str, NonFinite] = {}
+    for name, value in stored.items():
+        kind = _KINDS.get(value) if isinstance(value, str) else None
+        if isinstance(value, int | float):
+            # A float NaN too: SQLite JSON written before non-finite values were encoded.
+            kind = nonfinite_kind(float(value))
+        if kind is not None:
+            values[name], flags[name] = None, kind
+        else:
+            values[name] = float(value) if isinstance(value, int | float) else None
+    return values, flags
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -76,7 +121,7 @@ class RunFields(Protocol):
     @property
     def epoch(self) -> float | None: ...
     @property
-    def latest_metrics(self) -> dict[str, float]: ...
+    def latest_metrics(self) -> Mapping[str, object]: ...
     @property
     def error_code(self) -> str | None: ...
     @property
@@ -116,7 +161,13 @@ class RunView(BaseModel):
     finished_at: datetime | None
     spec: dict[str, Any]
     progress: ProgressView
-    latest_metrics: dict[str, float]
+    latest_metrics: dict[str, float | None] = Field(
+        description="The metrics of the latest step reported, by name; null for a value "
+        "that is not a finite number, which `nonfinite_metrics` names."
+    )
+    nonfinite_metrics: dict[str, NonFinite] = Field(
+        default_factory=dict, description=_NONFINITE_DOC.format(field="latest_metrics")
+    )
     error: ErrorView | None
     output: OutputView
     metadata: dict[str, str]
@@ -126,7 +177,8 @@ class RunView(BaseModel):
     @classmethod
     def of(cls, run: RunFields, *, queue_position: int | None = None) -> RunView:
         fraction = run.step / run.total_steps if run.total_steps else None
-        step_time = run.latest_metrics.get("step_time_seconds")
+        latest, nonfinite = split_metric_map(run.latest_metrics)
+        step_time = latest.get("step_time_seconds")
         eta = (
             (run.total_steps - run.step) * step_time
             if run.total_steps and step_time is not None and run.status == "running"
@@ -148,7 +200,8 @@ class RunView(BaseModel):
                 fraction=fraction,
                 eta_seconds=eta,
             ),
-            latest_metrics=run.latest_metrics,
+            latest_metrics=latest,
+            nonfinite_metrics=nonfinite,
             error=ErrorView(code=run.error_code, message=run.error_message or "")
             if run.error_code
             else None,
@@ -167,13 +220,33 @@ class RunList(BaseModel):
 class MetricView(BaseModel):
     step: int
     name: str
-    value: float
+    value: float | None = Field(
+        description="The value; null when it is not a finite number, and `nonfinite` says "
+        "which (JSON has no NaN or Infinity)."
+    )
+    nonfinite: NonFinite | None = Field(
+        default=None,
+        description='"nan", "inf" or "-inf" when the value is not a finite number '
+        "(a diverging run); null otherwise.",
+    )
     time: datetime
     attempt: int
 
     @classmethod
     def of(cls, m: Metric) -> MetricView:
-        return cls(step=m.step, name=m.name, value=m.value, time=as_utc(m.time), attempt=m.attempt)
+        value, nonfinite = m.value, _KINDS.get(m.nonfinite or "")
+        if value is not None and (kind := nonfinite_kind(value)) is not None:
+            # PostgreSQL's double precision holds NaN and infinity: rows stored before
+            # they were kept as null plus a flag may carry one.
+            value, nonfinite = None, kind
+        return cls(
+            step=m.step,
+            name=m.name,
+            value=value,
+            nonfinite=nonfinite,
+            time=as_utc(m.time),
+            attempt=m.attempt,
+        )
 
 
 class MetricList(BaseModel):
@@ -187,18 +260,26 @@ class CheckpointView(BaseModel):
     epoch: float | None
     path: str
     kind: str
-    metrics: dict[str, float]
+    metrics: dict[str, float | None] = Field(
+        description="The metrics reported with the checkpoint; null for a value that is "
+        "not a finite number, which `nonfinite_metrics` names."
+    )
+    nonfinite_metrics: dict[str, NonFinite] = Field(
+        default_factory=dict, description=_NONFINITE_DOC.format(field="metrics")
+    )
     attempt: int
     created_at: datetime
 
     @classmethod
     def of(cls, c: Checkpoint) -> CheckpointView:
+        metrics, nonfinite = split_metric_map(c.metrics)
         return cls(
             step=c.step,
             epoch=c.epoch,
             path=c.path,
             kind=c.kind,
-            metrics=c.metrics,
+            metrics=metrics,
+            nonfinite_metrics=nonfinite,
             attempt=c.attempt,
             created_at=as_utc(c.created_at),
         )
@@ -222,6 +303,11 @@ class EventView(BaseModel):
     status: str | None
     message: str
     attempt: int
+    repeats: int = Field(
+        default=1,
+        description="How many times in a row this same event happened (a dispatch retried "
+        "while Ray is unreachable, for example): repeats are kept as one event.",
+    )
     created_at: datetime
 
     @classmethod
@@ -232,6 +318,7 @@ class EventView(BaseModel):
             status=e.status,
             message=e.message,
             attempt=e.attempt,
+            repeats=e.repeats or 1,
             created_at=as_utc(e.created_at),
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hmac
 from typing import Any, cast
 
 from sqlalchemy import Table, select
@@ -10,26 +11,53 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from app.errors import Conflict, NotFound, Unauthorized
+from app.errors import Conflict, Unauthorized
 from app.models import Checkpoint, Metric, Run
 from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
-from app.security import secret_matches
+from app.schemas.run_view import nonfinite_kind, stored_metric_value
+from app.security import hash_secret, secret_matches
 from app.services import lifecycle
 from app.services.lifecycle import Failure, record_event
 from app.status import RunStatus
 
+_BAD_TOKEN = "invalid or expired run token"
 
-def authorize_worker(session: Session, *, run_id: str, token: str | None, attempt: int) -> Run:
-    """A run's token is good for that run's current attempt only, and only while it is live."""
+# What a token is compared with when the run is unknown or has no live token: the
+# comparison still happens, so the answer's timing does not tell which runs exist.
+_NO_TOKEN_HASH = hash_secret("tuneyard: no run token")
+
+
+def read_token_hash(session: Session, *, run_id: str) -> str | None:
+    """The hash of the run's live token; None for an unknown or finished run."""
+    if "\x00" in run_id:  # no id holds one, and PostgreSQL would refuse the query
+        return None
+    return session.scalar(select(Run.callback_token_hash).where(Run.id == run_id))
+
+
+def verify_token(token: str | None, token_hash: str | None) -> str:
+    """The hash `token` matched. Compared in constant time, and refused alike for a missing
+    token, a wrong one and a run that does not exist (or has no live token)."""
+    matches = secret_matches(token or "", token_hash or _NO_TOKEN_HASH)
+    if not matches or token is None or token_hash is None:
+        raise Unauthorized(_BAD_TOKEN)
+    return token_hash
+
+
+def authorize_worker(session: Session, *, run_id: str, token_hash: str, attempt: int) -> Run:
+    """The run, locked for this request's write, once `verify_token` accepted the token in
+    a read of its own (before this write session, and SQLite's write lock, were taken).
+    Checked again under the lock: a new attempt, or the run's end, may have replaced the
+    token meanwhile.
+
+    A run's token is good for that run's current attempt only, and only while it is live.
+    """
     run = session.get(Run, run_id, with_for_update=True)
-    if run is None:
-        raise NotFound(f"run {run_id} not found")
     if (
-        not token
+        run is None
         or run.callback_token_hash is None
-        or not secret_matches(token, run.callback_token_hash)
+        or not hmac.compare_digest(token_hash, run.callback_token_hash)
     ):
-        raise Unauthorized("invalid or expired run token")
+        raise Unauthorized(_BAD_TOKEN)
     if attempt != run.attempt:
         raise Conflict(f"attempt {attempt} is over; run {run_id} is on attempt {run.attempt}")
     return run
@@ -51,18 +79,24 @@ def _metric_insert(dialect: str) -> Any:
 
 
 def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
-    """Idempotent: one row per (run, attempt, name, step), whatever is posted twice."""
-    rows = [
-        {
-            "run_id": run.id,
-            "attempt": run.attempt,
-            "step": p.step,
-            "name": p.name,
-            "value": p.value,
-            "time": p.time,
-        }
-        for p in post.points
-    ]
+    """Idempotent: one row per (run, attempt, name, step), whatever is posted twice.
+
+    A value that is not a finite number is stored as NULL with `nonfinite` saying which:
+    SQLite's REAL turns NaN into NULL anyway, and JSON (`latest_metrics`) holds neither."""
+    rows = []
+    for p in post.points:
+        kind = nonfinite_kind(p.value)
+        rows.append(
+            {
+                "run_id": run.id,
+                "attempt": run.attempt,
+                "step": p.step,
+                "name": p.name,
+                "value": None if kind else p.value,
+                "nonfinite": kind,
+                "time": p.time,
+            }
+        )
     if rows:
         # One statement, the rows as parameters (executemany): `.values(rows)` would build
         # and compile a new multi-row statement for every batch, ~0.1 ms per point.
@@ -72,7 +106,7 @@ def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
     if latest_step is not None and latest_step >= run.step:
         run.latest_metrics = {
             **run.latest_metrics,
-            **{p.name: p.value for p in post.points if p.step == latest_step},
+            **{p.name: stored_metric_value(p.value) for p in post.points if p.step == latest_step},
         }
     if post.progress is not None and post.progress.step >= run.step:
         run.step = post.progress.step
@@ -87,6 +121,7 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
     )
     if existing is not None:
         return existing
+    metrics = {name: stored_metric_value(value) for name, value in post.metrics.items()}
     checkpoint = Checkpoint(
         run_id=run.id,
         attempt=run.attempt,
@@ -94,7 +129,7 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
         epoch=post.epoch,
         path=post.path,
         kind=post.kind,
-        metrics=post.metrics,
+        metrics=metrics,
     )
     session.add(checkpoint)
     if post.kind == "hf":

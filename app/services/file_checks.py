@@ -7,10 +7,21 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # Enough to show the pattern of what is wrong without flooding the response.
 MAX_REPORTED_ERRORS = 20
+# One record is one training example. A line longer than this is almost surely not one, and
+# reading it would hold all of it in memory at once (an upload may be a single 1 GiB line).
+MAX_LINE_BYTES = 16 << 20
+_SKIP_CHUNK = 1 << 20
+
+
+class _LineTooLong(ValueError):
+    def __init__(self, number: int) -> None:
+        super().__init__(
+            f"line {number}: longer than the {MAX_LINE_BYTES}-byte limit for one record"
+        )
 
 
 @dataclass(slots=True)
@@ -40,7 +51,10 @@ def check_file(path: Path, *, fmt: str, required: list[str], label_field: str | 
                 problem = _field_problem(record, name, is_label=name == label_field)
                 if problem:
                     report.error(f"{where}: {problem}")
-    except (ValueError, OSError, csv.Error) as exc:
+    except _LineTooLong as exc:
+        report.error(str(exc))
+    except (ValueError, OSError, csv.Error, RecursionError) as exc:
+        # RecursionError: a parquet reader may recurse into nested columns as json does.
         report.error(f"cannot read the file as {fmt}: {exc}")
     if report.records == 0 and not report.errors:
         report.error("the file holds no records")
@@ -67,27 +81,17 @@ def _field_problem(record: dict[str, Any], name: str, *, is_label: bool) -> str 
 
 def _records(path: Path, fmt: str, report: FileReport) -> Iterator[tuple[str, dict[str, Any]]]:
     if fmt == "jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    report.error(f"line {number}: not valid JSON ({exc.msg})")
-                    continue
-                if not isinstance(record, dict):
-                    report.error(
-                        f"line {number}: expected a JSON object, got {type(record).__name__}"
-                    )
-                    continue
-                yield f"line {number}", record
+        with path.open("rb") as f:
+            yield from _jsonl_records(f, report)
     elif fmt == "csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            for row in reader:
-                # Empty CSV cells arrive as "", which the emptiness check reports.
-                yield f"line {reader.line_num}", dict(row)
+        with path.open("rb") as f:
+            reader = csv.DictReader(_csv_lines(f))
+            try:
+                for row in reader:
+                    # Empty CSV cells arrive as "", which the emptiness check reports.
+                    yield f"line {reader.line_num}", dict(row)
+            except csv.Error as exc:
+                raise csv.Error(f"line {reader.line_num}: {exc}") from exc
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -99,3 +103,54 @@ def _records(path: Path, fmt: str, report: FileReport) -> Iterator[tuple[str, di
                 yield f"row {number}", row
     else:
         raise ValueError(f"unknown format {fmt!r}")
+
+
+def _jsonl_records(f: BinaryIO, report: FileReport) -> Iterator[tuple[str, dict[str, Any]]]:
+    for number, raw in enumerate(_lines(f), start=1):
+        if raw is None:
+            report.error(str(_LineTooLong(number)))
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            report.error(f"line {number}: not valid UTF-8 ({exc.reason} at byte {exc.start})")
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            report.error(f"line {number}: not valid JSON ({exc.msg})")
+            continue
+        except RecursionError:
+            # json recurses once per level of nesting: `[[[[…]]]]` thousands deep would
+            # otherwise escape as a 500. No training record nests that deep.
+            report.error(f"line {number}: JSON nested too deeply")
+            continue
+        if not isinstance(record, dict):
+            report.error(f"line {number}: expected a JSON object, got {type(record).__name__}")
+            continue
+        yield f"line {number}", record
+
+
+def _csv_lines(f: BinaryIO) -> Iterator[str]:
+    for number, raw in enumerate(_lines(f), start=1):
+        if raw is None:
+            # csv needs every line in order (a quoted cell may span several): stop here.
+            raise _LineTooLong(number)
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"line {number}: not valid UTF-8 ({exc.reason})") from exc
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """Physical lines, newline kept; `None` stands for a line over MAX_LINE_BYTES, which is
+    skipped in chunks rather than read whole."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+            pass
+        yield None

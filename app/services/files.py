@@ -1,32 +1,97 @@
-"""Uploaded dataset files: streamed to storage, checked, then recorded."""
+"""Uploaded dataset files: received and checked, recorded, then published into storage.
+
+An upload goes through three steps, in the order that leaves neither a file without its row
+nor a row without its file:
+
+1. `receive_upload` streams the file into `<id><suffix>.partial` in storage and checks every
+   record. No transaction is open: a large file or a slow check holds no database lock.
+2. `record_upload` inserts the row; the caller commits, and on any failure calls
+   `discard_upload`, which removes the partial file.
+3. `publish_upload` renames the partial file to its final name, after the commit.
+
+Why commit before the rename, rather than rename and remove the file if the commit fails: a
+process killed between the two steps then leaves a `.partial` file, which its name marks as
+unfinished, and the row, if it was committed, says which way to settle it (`sweep_partials`).
+Renaming first would leave a file that looks published and has no row, found only by listing
+storage against the table. In the instant between commit and rename a row names a file not
+there yet: nothing opens it then (a run reads the row's path, records and fields; its worker
+opens the file only once the run is dispatched).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePath
 from typing import BinaryIO
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.models import File, new_id
 from app.services.file_checks import check_file
 from contract.datasets import FILE_FORMATS, Purpose, file_format
 
+log = logging.getLogger(__name__)
+
 _CHUNK = 1 << 20
+PARTIAL_SUFFIX = ".partial"
+# A partial file left untouched this long belongs to no upload in progress: the longest step
+# that does not write to it, checking every record of a 1 GiB file, takes minutes.
+PARTIAL_MAX_AGE_S = 3600.0
+# Listing the storage folder costs more as it fills; one look now and then is enough.
+SWEEP_EVERY_S = 600.0
+# The `files.filename` column's size.
+MAX_FILENAME_CHARS = 255
+_MAX_SUFFIX_CHARS = 16
 
 
-def store_upload(
-    session: Session,
+@dataclass(frozen=True, slots=True)
+class ReceivedUpload:
+    """A checked upload in its partial file, not yet recorded."""
+
+    id: str
+    filename: str
+    format: str
+    bytes: int
+    records: int
+    fields: list[str]
+    partial: Path
+    final: Path
+
+
+def safe_filename(raw: str | None) -> str:
+    """The client's name for a file, reduced to what is safe to store and show: the last
+    component of either kind of path, without control or other unprintable characters (NUL
+    is refused by PostgreSQL; bidi overrides disguise an extension), at most
+    MAX_FILENAME_CHARS long with its extension kept. It is only ever shown: storage names
+    files by their id."""
+    name = re.split(r"[/\\]", raw or "")[-1]
+    name = "".join(ch for ch in name if ch.isprintable()).strip()
+    if name in {"", ".", ".."}:
+        return "upload"
+    if len(name) > MAX_FILENAME_CHARS:
+        suffix = PurePath(name).suffix
+        if len(suffix) > _MAX_SUFFIX_CHARS:
+            suffix = ""
+        name = name[: MAX_FILENAME_CHARS - len(suffix)] + suffix
+    return name
+
+
+def receive_upload(
     *,
-    owner_id: str,
     filename: str,
     stream: BinaryIO,
     storage_dir: Path,
     max_bytes: int,
-    purpose: Purpose,
     required: list[str],
     label_field: str | None,
-) -> File:
+) -> ReceivedUpload:
+    """Copy `stream` into a partial file under `storage_dir` and check every record; on any
+    problem the partial file is removed and the problem raised."""
     fmt = file_format(filename)
     if fmt is None:
         raise ValidationFailed(
@@ -39,8 +104,10 @@ def store_upload(
         )
     file_id = new_id("file")
     storage_dir.mkdir(parents=True, exist_ok=True)
-    final = storage_dir / f"{file_id}{Path(filename).suffix.lower()}"
-    partial = final.with_name(final.name + ".partial")
+    # Only the server's id and one of FILE_FORMATS' suffixes make the name: nothing the
+    # client sent can point it elsewhere.
+    final = storage_dir / f"{file_id}{PurePath(filename).suffix.lower()}"
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
     try:
         size = _copy_limited(stream, partial, max_bytes)
         report = check_file(partial, fmt=fmt.name, required=required, label_field=label_field)
@@ -49,23 +116,48 @@ def store_upload(
             raise ValidationFailed(
                 [field_problem("file", message) for message in report.errors + more]
             )
-        partial.rename(final)
-    finally:
+    except BaseException:
         partial.unlink(missing_ok=True)
-    upload = File(
+        raise
+    return ReceivedUpload(
         id=file_id,
-        owner_id=owner_id,
-        filename=Path(filename).name[:255],
+        filename=filename,
         format=fmt.name,
-        purpose=purpose,
         bytes=size,
         records=report.records,
         fields=report.fields,
-        path=str(final),
+        partial=partial,
+        final=final,
     )
-    session.add(upload)
+
+
+def record_upload(
+    session: Session, *, upload: ReceivedUpload, owner_id: str, purpose: Purpose
+) -> File:
+    row = File(
+        id=upload.id,
+        owner_id=owner_id,
+        filename=upload.filename,
+        format=upload.format,
+        purpose=purpose,
+        bytes=upload.bytes,
+        records=upload.records,
+        fields=upload.fields,
+        path=str(upload.final),
+    )
+    session.add(row)
     session.flush()
-    return upload
+    return row
+
+
+def publish_upload(upload: ReceivedUpload) -> None:
+    """Move a recorded upload into place; call only once its row is committed."""
+    upload.partial.rename(upload.final)
+
+
+def discard_upload(upload: ReceivedUpload) -> None:
+    """Remove an upload whose row was not committed."""
+    upload.partial.unlink(missing_ok=True)
 
 
 def get_file(session: Session, *, file_id: str, owner_id: str) -> File:
@@ -73,6 +165,53 @@ def get_file(session: Session, *, file_id: str, owner_id: str) -> File:
     if upload is None or upload.owner_id != owner_id:
         raise NotFound(f"file {file_id} not found")
     return upload
+
+
+_last_sweep: dict[Path, float] = {}
+
+
+def sweep_partials_now_and_then(
+    session_factory: sessionmaker[Session],
+    *,
+    storage_dir: Path,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """`sweep_partials`, at most once per SWEEP_EVERY_S for each storage folder."""
+    now = clock()
+    last = _last_sweep.get(storage_dir)
+    if last is not None and now - last < SWEEP_EVERY_S:
+        return
+    _last_sweep[storage_dir] = now
+    sweep_partials(session_factory, storage_dir=storage_dir)
+
+
+def sweep_partials(
+    session_factory: sessionmaker[Session],
+    *,
+    storage_dir: Path,
+    older_than_s: float = PARTIAL_MAX_AGE_S,
+) -> None:
+    """Settle partial files that uploads interrupted by a crash left behind: publish those
+    whose row was committed, remove the others."""
+    if not storage_dir.is_dir():
+        return
+    cutoff = time.time() - older_than_s
+    for partial in storage_dir.glob(f"*{PARTIAL_SUFFIX}"):
+        try:
+            if partial.stat().st_mtime > cutoff:
+                continue
+            file_id = partial.name.split(".", 1)[0]
+            final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+            with session_factory() as session:
+                recorded = session.get(File, file_id) is not None
+            if recorded:
+                partial.rename(final)
+                log.info("published %s, whose upload stopped after its commit", final.name)
+            else:
+                partial.unlink(missing_ok=True)
+                log.info("removed %s, left by an unfinished upload", partial.name)
+        except FileNotFoundError:
+            continue  # settled meanwhile by another process's sweep
 
 
 def _copy_limited(stream: BinaryIO, target: Path, max_bytes: int) -> int:

@@ -14,10 +14,11 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.errors import Conflict, InvalidTransition
+from app.logs import redact
 from app.models import Event, Run, utcnow
 from app.status import RunStatus
 
@@ -47,9 +48,27 @@ def can_transition(current: RunStatus, new: RunStatus) -> bool:
 def record_event(
     session: Session, run: Run, *, type: str, message: str, status: str | None = None
 ) -> Event:
-    event = Event(run_id=run.id, attempt=run.attempt, type=type, status=status, message=message)
+    """The run's history, as users read it: secrets taken out, and the same event
+    happening again in a row (a dispatcher retrying while Ray is away, a worker repeating
+    itself) counted on the latest row, `repeats`, instead of adding one row per time."""
+    message = redact(message)
+    same = (run.attempt, type, status, message)
+    latest = _latest_event(session, run.id)
+    if latest is not None and (latest.attempt, latest.type, latest.status, latest.message) == same:
+        latest.repeats = (latest.repeats or 1) + 1
+        return latest
+    event = Event(
+        run_id=run.id, attempt=run.attempt, type=type, status=status, message=message, repeats=1
+    )
     session.add(event)
     return event
+
+
+def _latest_event(session: Session, run_id: str) -> Event | None:
+    # The session autoflushes first, so an event added earlier in this transaction counts.
+    return session.scalar(
+        select(Event).where(Event.run_id == run_id).order_by(Event.id.desc()).limit(1)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +110,8 @@ def _move(
         run.callback_token_hash = None  # a finished run's worker has nothing more to say
     if failure is not None:
         run.error_code = failure.code
-        run.error_message = failure.message
+        # Shown to users: Ray's and the worker's messages may quote a credential.
+        run.error_message = redact(failure.message)
     text = message or (failure.message if failure else "")
     record_event(session, run, type="status", status=new, message=text)
     log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
@@ -132,7 +152,25 @@ def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
 
 
 def unclaim(session: Session, run: Run, *, reason: str) -> None:
-    """starting → queued, same attempt, same place in the queue: Ray accepted nothing."""
+    """starting → queued, same attempt, same place in the queue: Ray accepted nothing.
+
+    The claim is taken back with its "submitting" event, so that a dispatcher retrying
+    while Ray is away adds one event per try, which `record_event` counts on one row,
+    instead of a "submitting" and a "will retry" each time (233 rows in an hour).
+
+    The attempt's token stays good: a submit that timed out may still have reached Ray,
+    and that job's worker reports with it (`start` takes a queued run through starting).
+    """
+    claimed = _latest_event(session, run.id)
+    if claimed is not None and (claimed.attempt, claimed.type, claimed.status) == (
+        run.attempt,
+        "status",
+        RunStatus.STARTING,
+    ):
+        if (claimed.repeats or 1) > 1:
+            claimed.repeats -= 1
+        else:
+            session.delete(claimed)
     _move(session, run, RunStatus.QUEUED, message=reason)
 
 

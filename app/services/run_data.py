@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from sqlalchemy import and_, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.errors import ValidationFailed, field_problem
 from app.models import Checkpoint, Event, Metric, Run
+from contract.bounds import INT32_MAX
 
 MAX_METRICS_PAGE = 10_000
 
@@ -45,13 +48,27 @@ def list_metrics(
 
 
 def _decode(cursor: str) -> tuple[int, int, str]:
-    try:
-        step, attempt, name = cursor.split(":", 2)
-        return int(step), int(attempt), name
-    except ValueError as exc:
-        raise ValidationFailed(
-            [field_problem("cursor", "cursor is not one this service issued")]
-        ) from exc
+    parts = cursor.split(":", 2)
+    if len(parts) == 3:
+        step, attempt = bounded_int(parts[0], INT32_MAX), bounded_int(parts[1], INT32_MAX)
+        name = parts[2]
+        # Only what a metric row can hold: a name PostgreSQL would refuse is no cursor.
+        if step is not None and attempt is not None and len(name) <= 64 and "\x00" not in name:
+            return step, attempt, name
+    raise ValidationFailed([field_problem("cursor", "cursor is not one this service issued")])
+
+
+_DIGITS = re.compile(r"[0-9]{1,19}")
+
+
+def bounded_int(text: str, maximum: int) -> int | None:
+    """`text` as a number from 0 to `maximum`, or None. Stricter than `int()`, which takes
+    signs, spaces, underscores and any script's digits, and any size: a number past what
+    the column holds would fail in the database instead of as the client's mistake."""
+    if not _DIGITS.fullmatch(text):
+        return None
+    value = int(text)
+    return value if value <= maximum else None
 
 
 def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:

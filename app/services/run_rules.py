@@ -9,7 +9,8 @@ field it is about and says the rule in words a user can act on.
 from __future__ import annotations
 
 import json
-import re
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from sqlalchemy.orm import Session
 from app.errors import field_problem
 from app.models import File
 from app.services.model_files import trainable_model_types
+from app.settings import SourceRoots
 from contract.datasets import (
     FILE_FORMATS,
     fields_read_by,
@@ -30,7 +32,9 @@ from contract.datasets import (
 from contract.run_request import RunDefinition, RunRequest
 from contract.steps import StepPlan, examples_used
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+# A local folder source is walked to check every file in it; one bigger than this is
+# refused rather than walked for minutes inside a request.
+MAX_FOLDER_ENTRIES = 10_000
 
 Problem = dict[str, str]
 
@@ -55,8 +59,10 @@ class CheckedRequest:
 
 
 def check_run_request(
-    session: Session, request: RunRequest, *, owner_id: str, allowed_roots: list[Path]
+    session: Session, request: RunRequest, *, owner_id: str, allowed_roots: Sequence[Path]
 ) -> CheckedRequest:
+    """`allowed_roots`: where local sources may be; a `SourceRoots` also names the folders
+    inside them that are refused (the service's uploads)."""
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
     _check_model(request, checked, allowed_roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
@@ -129,15 +135,10 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
 # -- the model ----------------------------------------------------------------------------
 
 
-def _check_model(request: RunRequest, checked: CheckedRequest, roots: list[Path]) -> None:
+def _check_model(request: RunRequest, checked: CheckedRequest, roots: Sequence[Path]) -> None:
     value = request.model
-    if _URL.match(value):
-        checked.problems.append(
-            field_problem("model", f"{value!r} is a URL; give a hub id or a local path")
-        )
-        return
     if not is_local_source(value):
-        return  # a hub id: the cluster resolves it
+        return  # a hub id (the schema checked its shape): the cluster resolves it
     path, message = _allowed_local_path(value, roots)
     if message:
         checked.problems.append(field_problem("model", message))
@@ -208,7 +209,7 @@ def _check_dataset(
     checked: CheckedRequest,
     *,
     owner_id: str,
-    allowed_roots: list[Path],
+    allowed_roots: Sequence[Path],
 ) -> None:
     source = request.dataset.source
     name = "dataset.source"
@@ -230,15 +231,8 @@ def _check_dataset(
                 )
             )
         return
-    if _URL.match(source):
-        checked.problems.append(
-            field_problem(
-                name, f"{source!r} is a URL; give a hub dataset, a local path or a file id"
-            )
-        )
-        return
     if not is_local_source(source):
-        return
+        return  # a hub id (the schema checked its shape): the cluster resolves it
     path, message = _allowed_local_path(source, allowed_roots)
     if message is None and path is not None and path.is_file() and file_format(path) is None:
         message = f"dataset file {path.name!r} must be one of {', '.join(sorted(FILE_FORMATS))}"
@@ -248,16 +242,81 @@ def _check_dataset(
     checked.spec["dataset"]["source"] = str(path)
 
 
-def _allowed_local_path(value: str, roots: list[Path]) -> tuple[Path | None, str | None]:
-    path = Path(value).expanduser()
-    if not path.exists():
-        return None, f"local path {value!r} does not exist"
-    # resolve() follows symlinks and '..', so neither can step outside an allowed root.
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in roots):
-        listed = ", ".join(str(r) for r in roots)
-        return None, (
-            f"local path {value!r} is outside the allowed roots ({listed}); "
-            "see TUNEYARD_ALLOWED_ROOTS"
-        )
-    return resolved, None
+def _allowed_local_path(value: str, roots: Sequence[Path]) -> tuple[Path | None, str | None]:
+    """The source's real path (every link followed) and None; or None and why not.
+
+    A path is refused as outside the roots before the file system is asked whether it
+    exists, so the answer never says what lies outside them; only a path inside the roots
+    can get "does not exist". A folder is walked: no file in it may lead outside either."""
+    refused = roots.refused if isinstance(roots, SourceRoots) else ()
+    listed = ", ".join(str(r) for r in roots)
+    shown = _shown(value)
+    outside = (
+        f"local path {shown} is outside the allowed roots ({listed}); see TUNEYARD_ALLOWED_ROOTS"
+    )
+    uploads = (
+        f"local path {shown} is in the service's uploads folder, which is not allowed: an "
+        "uploaded file is used through its id (dataset.source 'file_...'), by its owner only"
+    )
+
+    def refusal(path: Path) -> str | None:
+        if not _inside(path, roots):
+            return outside
+        return uploads if _inside(path, refused) else None
+
+    # First as written, '..' applied without asking the file system anything about it...
+    written = Path(os.path.normpath(Path(value).absolute()))
+    if message := refusal(written):
+        return None, message
+    # ...then with every link followed (non-strict: no error for a missing part), so that
+    # no link inside a root leads out of it, nor into the uploads.
+    real = Path(os.path.realpath(written))
+    if message := refusal(real):
+        return None, message
+    try:
+        if not real.exists():
+            return None, f"local path {shown} does not exist"
+        if real.is_dir():
+            if message := _folder_problem(real, roots, refused):
+                return None, f"local path {shown}: {message}"
+        elif not real.is_file():
+            return None, f"local path {shown} is neither a file nor a folder"
+    except (OSError, RuntimeError) as exc:
+        # ENAMETOOLONG, ELOOP, EACCES...: the user's to fix, never a server error.
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return None, f"local path {shown} cannot be read: {reason}"
+    return real, None
+
+
+def _folder_problem(folder: Path, roots: Sequence[Path], refused: Sequence[Path]) -> str | None:
+    """Why a folder source may not be read (an entry leads outside the roots or into the
+    uploads, or there are too many to check), or None. Links are followed, each real
+    folder walked once, so a link cycle ends the walk instead of looping."""
+    seen = {folder}
+    pending = [folder]
+    entries = 0
+    while pending:
+        current = pending.pop()
+        with os.scandir(current) as listing:
+            for entry in listing:
+                entries += 1
+                if entries > MAX_FOLDER_ENTRIES:
+                    return f"the folder holds more than {MAX_FOLDER_ENTRIES} files and folders"
+                real = Path(os.path.realpath(entry.path))
+                name = _shown(os.path.relpath(entry.path, folder))
+                if not _inside(real, roots):
+                    return f"{name} in it leads outside the allowed roots"
+                if _inside(real, refused):
+                    return f"{name} in it leads into the service's uploads folder"
+                if real.is_dir() and real not in seen:
+                    seen.add(real)
+                    pending.append(Path(entry.path))
+    return None
+
+
+def _inside(path: Path, folders: Sequence[Path]) -> bool:
+    return any(path.is_relative_to(folder) for folder in folders)
+
+
+def _shown(value: str, limit: int = 200) -> str:
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."

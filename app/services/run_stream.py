@@ -19,7 +19,9 @@ from sse_starlette import ServerSentEvent
 from app.errors import ValidationFailed, field_problem
 from app.models import Event, Metric, Run
 from app.schemas.run_view import EventView, MetricView
+from app.services.run_data import bounded_int
 from app.status import RunStatus
+from contract.bounds import INT64_MAX
 
 POLL_INTERVAL_S = 0.5
 BATCH = 500
@@ -34,13 +36,13 @@ class StreamCursor:
     def parse(cls, value: str | None) -> StreamCursor:
         if not value:
             return cls()
-        try:
-            event_id, metric_id = value.split(":")
-            return cls(int(event_id), int(metric_id))
-        except ValueError as exc:
-            raise ValidationFailed(
-                [field_problem("Last-Event-ID", "not an id this stream sent")]
-            ) from exc
+        parts = value.split(":")
+        if len(parts) == 2:
+            # Row ids: BIGINT on PostgreSQL, so a larger number is no id this stream sent.
+            event_id, metric_id = (bounded_int(part, INT64_MAX) for part in parts)
+            if event_id is not None and metric_id is not None:
+                return cls(event_id, metric_id)
+        raise ValidationFailed([field_problem("Last-Event-ID", "not an id this stream sent")])
 
     def __str__(self) -> str:
         return f"{self.event_id}:{self.metric_id}"

@@ -5,23 +5,31 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
-from sqlalchemy import and_, bindparam, func, inspect, or_, select
+from sqlalchemy import ColumnElement, and_, bindparam, exists, func, inspect, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.errors import Conflict, NotFound, ValidationFailed, problems_from_pydantic
+from app.errors import (
+    Conflict,
+    NotFound,
+    ValidationFailed,
+    field_problem,
+    problems_from_pydantic,
+)
 from app.models import Run, new_id
 from app.schemas.run_view import RunFields, ValidationReport
 from app.services import estimates, lifecycle
 from app.services.placement import ClusterView
 from app.services.run_rules import check_run_request
 from app.status import RunStatus
-from contract.run_request import RunRequest
+from contract.run_request import MetadataKey, MetadataValue, RunRequest
 
 MAX_PAGE = 100
 
@@ -31,7 +39,7 @@ def create_run(
     *,
     request: RunRequest,
     owner_id: str,
-    allowed_roots: list[Path],
+    allowed_roots: Sequence[Path],
     idempotency_key: str | None = None,
     cluster: ClusterView | None = None,
 ) -> tuple[Run, bool]:
@@ -80,7 +88,7 @@ def validate_run_request(
     *,
     body: Any,
     owner_id: str,
-    allowed_roots: list[Path],
+    allowed_roots: Sequence[Path],
     cluster: ClusterView | None = None,
 ) -> ValidationReport:
     """Every check `create_run` makes, with nothing stored, plus what the run would cost."""
@@ -160,8 +168,11 @@ def list_runs(
     query = select(Run).where(Run.owner_id == owner_id)
     if status is not None:
         query = query.where(Run.status == status)
+    if problems := _metadata_filter_problems(metadata):
+        raise ValidationFailed(problems)
+    dialect = session.get_bind().dialect.name
     for key, value in metadata.items():
-        query = query.where(Run.run_metadata[key].as_string() == value)
+        query = query.where(_metadata_equals(dialect, key, value))
     if cursor:
         created_at, run_id = _decode_cursor(cursor)
         query = query.where(
@@ -175,6 +186,36 @@ def list_runs(
     return rows[:limit], next_cursor
 
 
+_METADATA_KEY: TypeAdapter[str] = TypeAdapter(MetadataKey)
+_METADATA_VALUE: TypeAdapter[str] = TypeAdapter(MetadataValue)
+
+
+def _metadata_filter_problems(metadata: dict[str, str]) -> list[dict[str, str]]:
+    """A filter follows the rules of the metadata it looks for: a value no run can hold (a
+    NUL, which PostgreSQL cannot even compare) is refused rather than sent to the database."""
+    problems = []
+    for key, value in metadata.items():
+        name = f"metadata.{key}" if len(key) <= 64 else "metadata"
+        for what, adapter, text in (("key", _METADATA_KEY, key), ("value", _METADATA_VALUE, value)):
+            try:
+                adapter.validate_python(text)
+            except PydanticValidationError as exc:
+                (rule,) = (p["message"] for p in problems_from_pydantic(exc.errors()[:1]))
+                problems.append(field_problem(name, f"a metadata {what}: {rule}"))
+    return problems
+
+
+def _metadata_equals(dialect: str, key: str, value: str) -> ColumnElement[bool]:
+    """metadata[key] == value, for any key. SQLite's JSON paths cannot name a key holding a
+    double quote, and compare the stored text, where json.dumps wrote non-ASCII keys as
+    \\u escapes; json_each yields every key decoded. PostgreSQL's ->> takes the key as a
+    bound value and decodes the stored keys."""
+    if dialect == "sqlite":
+        entries = func.json_each(Run.run_metadata).table_valued("key", "value")
+        return exists().where(entries.c.key == key, entries.c.value == value)
+    return Run.run_metadata[key].as_string() == value
+
+
 def _encode_cursor(run: Run) -> str:
     raw = json.dumps([run.created_at.isoformat(), run.id])
     return base64.urlsafe_b64encode(raw.encode()).decode()
@@ -183,8 +224,11 @@ def _encode_cursor(run: Run) -> str:
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return datetime.fromisoformat(created_at), str(run_id)
-    except (ValueError, TypeError) as exc:
+        if not isinstance(created_at, str) or not isinstance(run_id, str) or "\x00" in run_id:
+            raise ValueError("not a cursor")
+        return datetime.fromisoformat(created_at), run_id
+    # RecursionError: a forged cursor of deeply nested JSON.
+    except (ValueError, TypeError, RecursionError) as exc:
         raise ValidationFailed(
             [{"field": "cursor", "message": "cursor is not one this service issued"}]
         ) from exc

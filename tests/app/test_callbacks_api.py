@@ -11,34 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
-from tests.app.test_dispatch import ScriptedRay, dispatch_to
-from tests.factories import run_request
-
-
-def start_run(
-    client: TestClient,
-    auth: dict[str, str],
-    root: Path,
-    settings: Settings,
-    session_factory: sessionmaker[Session],
-) -> tuple[str, str]:
-    """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
-    run_id = client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"]
-    ray = dispatch_to(ScriptedRay(), settings, session_factory)
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return run_id, token
-
-
-@pytest.fixture
-def started(
-    client: TestClient,
-    auth: dict[str, str],
-    tmp_path: Path,
-    settings: Settings,
-    session_factory: sessionmaker[Session],
-) -> tuple[str, dict[str, str]]:
-    run_id, token = start_run(client, auth, tmp_path, settings, session_factory)
-    return run_id, {"Authorization": f"Bearer {token}"}
+from tests.app.conftest import start_run
 
 
 def _points(steps: range, name: str = "loss", base: float = 5.0) -> list[dict[str, Any]]:

@@ -292,3 +292,40 @@ class TestWatch:
         run_id = json.loads(run_id)["id"]
         live.cli("cancel", run_id)
         assert live.cli("watch", run_id).exit_code == ExitCode.RUN_CANCELLED
+
+
+class TestKeys:
+    def keys(self, settings: Settings, *args: str) -> Any:
+        env = {"TUNEYARD_DATABASE_URL": settings.resolved_database_url, "COLUMNS": "200"}
+        return CliRunner().invoke(app, ["keys", *args], env=env, catch_exceptions=False)
+
+    def test_list_shows_each_key_and_which_are_revoked(self, settings: Settings) -> None:
+        created = self.keys(settings, "create", "--name", "ci-bot")
+        assert created.exit_code == ExitCode.OK
+        self.keys(settings, "create", "--name", "alice")
+        listed = json.loads(self.keys(settings, "list", "--json").stdout)
+        assert [k["name"] for k in listed] == ["ci-bot", "alice"]
+        assert all(k["revoked_at"] is None for k in listed)
+        secret = created.stdout.strip()
+        assert all(secret not in json.dumps(k) for k in listed)  # never shown again
+
+        revoked = self.keys(settings, "revoke", listed[0]["id"])
+        assert revoked.exit_code == ExitCode.OK, revoked.stderr
+        assert listed[0]["id"] in revoked.stdout
+
+        table = self.keys(settings, "list").stdout
+        lines = {
+            name: line
+            for line in table.splitlines()
+            for name in ("ci-bot", "alice")
+            if name in line
+        }
+        for column in ("id", "name", "created", "revoked"):
+            assert column in table
+        assert listed[0]["id"] in lines["ci-bot"] and listed[1]["id"] in lines["alice"]
+        again = json.loads(self.keys(settings, "list", "--json").stdout)
+        revoked_at = again[0]["revoked_at"][:19].replace("T", " ")
+        assert revoked_at in lines["ci-bot"]
+        assert again[1]["created_at"][:19].replace("T", " ") in lines["alice"]
+        assert lines["alice"].count(":") == 2  # created, and no revoked time
+        assert again[0]["revoked_at"] is not None and again[1]["revoked_at"] is None

@@ -488,3 +488,191 @@ class TestJobEnvironment:
         monkeypatch.setenv("TUNEYARD_JOB_ENV", '{"WANDB_API_KEY": "wandb_configured_secret"}')
         logged = redact("token=hf_forwarded_secret key=wandb_configured_secret iface=enp0s31f6")
         assert logged == "token=[redacted] key=[redacted] iface=enp0s31f6"
+
+
+def _token(job: dict[str, Any]) -> str:
+    return str(job["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"])
+
+
+def _post_status(
+    client: TestClient, run_id: str, token: str, *, attempt: int, status: str = "running"
+) -> int:
+    r = client.post(
+        f"/v1/internal/runs/{run_id}/status",
+        json={"attempt": attempt, "status": status},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    return r.status_code
+
+
+class TestRunTokens:
+    """The token in a job's runtime_env is readable by anyone with the Ray dashboard; it is
+    good for its run's one attempt, and only until that attempt ends."""
+
+    @pytest.fixture
+    def run_id(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, dispatcher: Dispatcher
+    ) -> str:
+        run_id = _create(client, auth, tmp_path)
+        dispatcher.dispatch_queued_runs()
+        return run_id
+
+    def test_a_requeued_run_gets_a_new_token_and_the_old_one_is_refused(
+        self,
+        client: TestClient,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        first = _token(ray.submitted[-1])
+        assert _post_status(client, run_id, first, attempt=1) == 200
+        ray.states[f"{run_id}-1"] = None  # the head restarted: attempt 1 is lost
+        dispatcher.reconcile_live_runs()
+        assert _run(session_factory, run_id).status == "queued"
+        # Between the attempts no token is good at all.
+        assert _post_status(client, run_id, first, attempt=1) == 401
+
+        dispatcher.dispatch_queued_runs()
+        second = _token(ray.submitted[-1])
+        assert ray.submitted[-1]["submission_id"] == f"{run_id}-2"
+        assert second != first
+        assert _post_status(client, run_id, first, attempt=1) == 401
+        assert _post_status(client, run_id, first, attempt=2) == 401
+        assert _post_status(client, run_id, second, attempt=2) == 200
+        assert _run(session_factory, run_id).status == "running"
+
+    def test_a_resubmission_of_the_same_attempt_gets_a_new_token(
+        self,
+        client: TestClient,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+    ) -> None:
+        first = _token(ray.submitted[-1])
+        ray.states[f"{run_id}-1"] = None
+        with session_factory.begin() as session:
+            session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(updated_at=utcnow() - timedelta(minutes=5))
+            )
+        dispatcher.reconcile_live_runs()  # Ray never received it: submitted again
+        second = _token(ray.submitted[-1])
+        assert second != first
+        assert _post_status(client, run_id, first, attempt=1) == 401
+        assert _post_status(client, run_id, second, attempt=1) == 200
+
+    @pytest.mark.parametrize(
+        ("ray_says", "outcome"),
+        [
+            (JobState(status="SUCCEEDED", message=""), "succeeded"),
+            (JobState(status="FAILED", message="exit code 1"), "failed"),
+            (JobState(status="STOPPED", message="by operator"), "failed"),
+        ],
+    )
+    def test_a_finished_runs_token_is_refused(
+        self,
+        client: TestClient,
+        run_id: str,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        ray_says: JobState,
+        outcome: str,
+    ) -> None:
+        token = _token(ray.submitted[-1])
+        ray.states[f"{run_id}-1"] = ray_says
+        dispatcher.reconcile_live_runs()
+        run = _run(session_factory, run_id)
+        assert (run.status, run.callback_token_hash) == (outcome, None)
+        assert _post_status(client, run_id, token, attempt=1) == 401
+
+    def test_a_job_ray_took_although_the_submit_failed_still_reports_with_its_token(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A submit that timed out may have reached Ray: back in the queue, the attempt
+        keeps its token, and the job's first report starts the run."""
+        sent: list[str] = []
+
+        def timed_out(**job: Any) -> None:
+            sent.append(_token(job))
+            raise RayUnavailable("cannot reach Ray at http://ray.invalid: read timed out")
+
+        monkeypatch.setattr(ray, "submit", timed_out)
+        run_id = _create(client, auth, tmp_path)
+        dispatcher.dispatch_queued_runs()
+        assert _run(session_factory, run_id).status == "queued"
+        assert _post_status(client, run_id, sent[0], attempt=1) == 200
+        assert _run(session_factory, run_id).status == "running"
+
+
+class TestEventsWhileRayIsAway:
+    def test_retries_against_an_unreachable_ray_leave_one_event_counting_them(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        now = [1000.0]
+        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        run_id = _create(client, auth, tmp_path)
+        ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
+        tries = 12
+        for _ in range(tries):
+            dispatcher.dispatch_queued_runs()
+            now[0] += 60.0  # past any backoff: every pass tries again
+        assert _run(session_factory, run_id).status == "queued"
+
+        events = [(e.status, e.message, e.repeats) for e in _events(session_factory, run_id)]
+        assert events == [
+            ("queued", "run created", 1),
+            (
+                "queued",
+                "Ray unavailable, will retry: cannot reach Ray at http://ray.invalid",
+                tries,
+            ),
+        ]
+
+        ray.fail_with = None
+        dispatcher.dispatch_queued_runs()
+        events = [(e.status, e.message, e.repeats) for e in _events(session_factory, run_id)]
+        assert events[2:] == [("starting", f"submitting Ray job {run_id}-1", 1)]
+
+    def test_requests_object_addresses_do_not_split_the_count(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        now = [1000.0]
+        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        run_id = _create(client, auth, tmp_path)
+        for address in ("0x7f3c2b1d5a90", "0x7f3c2b1d6f10"):
+            ray.fail_with = RayUnavailable(
+                "cannot reach Ray at http://ray.invalid: HTTPConnectionPool(host='ray.invalid', "
+                f"port=8265): Max retries exceeded (Caused by NewConnectionError('<urllib3."
+                f"connection.HTTPConnection object at {address}>: Failed to establish a new "
+                "connection: [Errno 111] Connection refused'))"
+            )
+            dispatcher.dispatch_queued_runs()
+            now[0] += 60.0
+        *_, last = _events(session_factory, run_id)
+        assert last.repeats == 2
+        assert "HTTPConnection object>" in last.message

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.db import transaction
 from app.main import create_app
 from app.models import File
+from app.services import files as files_service
 from app.settings import Settings
 from tests.conftest import make_api_key
 from tests.factories import run_request
@@ -141,6 +147,145 @@ class TestUploadFile:
     def test_needs_an_api_key(self, client: TestClient) -> None:
         response = client.post("/v1/files", files={"file": ("d.jsonl", _jsonl({"text": "x"}))})
         assert response.status_code == 401
+
+
+class TestUploadOrder:
+    """The row is committed before the file is moved into place; see app/services/files.py."""
+
+    def test_a_failed_insert_leaves_no_file_behind(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        first = _jsonl({"text": "first"})
+        kept = client.post("/v1/files", files={"file": ("a.jsonl", first)}, headers=auth)
+        assert kept.status_code == 201, kept.text
+        # The next upload gets the same id: its insert fails in the database, as a commit can.
+        monkeypatch.setattr(files_service, "new_id", lambda prefix: kept.json()["id"])
+
+        with pytest.raises(IntegrityError):
+            client.post(
+                "/v1/files", files={"file": ("b.jsonl", _jsonl({"text": "b"}))}, headers=auth
+            )
+
+        # Before, the second file was moved into place (over the first) before the commit.
+        stored = list((settings.resolved_storage_path / "files").iterdir())
+        assert [(p.name, p.read_bytes()) for p in stored] == [(f"{kept.json()['id']}.jsonl", first)]
+
+    def test_the_next_upload_settles_partial_files_left_by_a_crash(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        folder = settings.resolved_storage_path / "files"
+        folder.mkdir(parents=True, exist_ok=True)
+        an_hour_ago = time.time() - files_service.PARTIAL_MAX_AGE_S - 60
+
+        def partial(file_id: str, *, old: bool) -> Path:
+            path = folder / f"{file_id}.jsonl.partial"
+            path.write_bytes(_jsonl({"text": file_id}))
+            if old:
+                os.utime(path, (an_hour_ago, an_hour_ago))
+            return path
+
+        # Killed before its commit: no row, so nobody will ever read it.
+        orphan = partial("file_00000000000000000001", old=True)
+        # Killed between its commit and its rename: the row names the final file.
+        committed = partial("file_00000000000000000002", old=True)
+        with transaction(session_factory) as session:
+            session.add(
+                File(
+                    id="file_00000000000000000002",
+                    owner_id="someone",
+                    filename="c.jsonl",
+                    format="jsonl",
+                    purpose="text",
+                    bytes=committed.stat().st_size,
+                    records=1,
+                    fields=["text"],
+                    path=str(folder / "file_00000000000000000002.jsonl"),
+                )
+            )
+        # Recent: an upload still in progress.
+        in_progress = partial("file_00000000000000000003", old=False)
+
+        response = client.post(
+            "/v1/files", files={"file": ("d.jsonl", _jsonl({"text": "x"}))}, headers=auth
+        )
+
+        assert response.status_code == 201, response.text
+        assert not orphan.exists()
+        assert not committed.exists()
+        assert (folder / "file_00000000000000000002.jsonl").read_bytes() == _jsonl(
+            {"text": "file_00000000000000000002"}
+        )
+        assert in_progress.exists()
+
+
+def _multipart(filename: str, data: bytes) -> tuple[bytes, dict[str, str]]:
+    """A body with the filename as sent, unescaped (httpx would escape some characters)."""
+    boundary = "tuneyard-test-boundary"
+    body = (
+        (
+            f"--{boundary}\r\n"
+            f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n\r\n'
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
+class TestUploadedFileNames:
+    @pytest.mark.parametrize(
+        ("sent", "kept"),
+        [
+            ("../../../evil.jsonl", "evil.jsonl"),
+            ("..\\..\\windows\\evil.jsonl", "evil.jsonl"),
+            ("a\x00b.jsonl", "ab.jsonl"),
+            ("new\nline.jsonl", "newline.jsonl"),
+            ("x" * 300 + ".jsonl", "x" * 249 + ".jsonl"),
+        ],
+        ids=["dotdot", "backslashes", "nul", "newline", "long"],
+    )
+    def test_only_a_bounded_printable_base_name_is_kept(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        tmp_path: Path,
+        sent: str,
+        kept: str,
+    ) -> None:
+        data = _jsonl({"text": "a b"})
+        body, headers = _multipart(sent, data)
+
+        response = client.post("/v1/files", content=body, headers={**auth, **headers})
+
+        assert response.status_code == 201, response.text
+        file_id = response.json()["id"]
+        assert response.json()["filename"] == kept
+        assert client.get(f"/v1/files/{file_id}", headers=auth).json()["filename"] == kept
+        # Storage names the file by its id, inside the files folder, whatever was sent.
+        folder = settings.resolved_storage_path / "files"
+        assert [p.name for p in folder.iterdir()] == [f"{file_id}.jsonl"]
+        assert not list(tmp_path.rglob("evil.jsonl"))
+
+    def test_a_name_with_no_base_name_is_refused(
+        self, client: TestClient, auth: dict[str, str], settings: Settings
+    ) -> None:
+        body, headers = _multipart("..", _jsonl({"text": "a b"}))
+
+        response = client.post("/v1/files", content=body, headers={**auth, **headers})
+
+        assert "must end in one of" in _problems(response)[0]
+        assert not (settings.resolved_storage_path / "files").exists() or not list(
+            (settings.resolved_storage_path / "files").iterdir()
+        )
 
 
 class TestFilesInRuns:

@@ -20,13 +20,20 @@ EARLIER = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class _Events:
-    """The named transitions only add events; a list stands in for the session's `add`."""
+    """The named transitions only touch events; a list stands in for the session: `add`,
+    `delete`, and `scalar`, which the transitions ask for the run's latest event."""
 
     def __init__(self) -> None:
         self.added: list[Any] = []
 
     def add(self, obj: object) -> None:
         self.added.append(obj)
+
+    def delete(self, obj: object) -> None:
+        self.added.remove(obj)
+
+    def scalar(self, _query: object) -> Any:
+        return self.added[-1] if self.added else None
 
     @property
     def statuses(self) -> list[str | None]:
@@ -235,3 +242,56 @@ class TestRayReports:
         assert verdict is RayVerdict.RESUBMIT
         assert run.status == RunStatus.STARTING
         assert run.queued_at == EARLIER
+
+
+class TestEvents:
+    def test_the_same_event_again_in_a_row_is_counted_on_one_row(self, events: _Events) -> None:
+        run = _run(RunStatus.RUNNING)
+        for _ in range(3):
+            lifecycle.record_event(events, run, type="waiting", message="no GPU yet")  # type: ignore[arg-type]
+        lifecycle.record_event(events, run, type="message", message="a GPU came")  # type: ignore[arg-type]
+        lifecycle.record_event(events, run, type="waiting", message="no GPU yet")  # type: ignore[arg-type]
+        assert [(e.message, e.repeats) for e in events.added] == [
+            ("no GPU yet", 3),
+            ("a GPU came", 1),
+            ("no GPU yet", 1),  # not in a row: a new row
+        ]
+
+    def test_a_repeat_must_match_attempt_type_status_and_message(self, events: _Events) -> None:
+        run = _run(RunStatus.RUNNING)
+        lifecycle.record_event(events, run, type="message", message="m")  # type: ignore[arg-type]
+        lifecycle.record_event(events, run, type="export", message="m")  # type: ignore[arg-type]
+        lifecycle.record_event(events, run, type="export", message="m", status="running")  # type: ignore[arg-type]
+        lifecycle.record_event(events, run, type="export", message="n", status="running")  # type: ignore[arg-type]
+        run.attempt = 2
+        lifecycle.record_event(events, run, type="export", message="n", status="running")  # type: ignore[arg-type]
+        assert [e.repeats for e in events.added] == [1, 1, 1, 1, 1]
+
+    def test_unclaim_takes_back_the_claims_event(self, events: _Events) -> None:
+        run = _run(RunStatus.QUEUED)
+        lifecycle.record_event(events, run, type="status", status="queued", message="run created")  # type: ignore[arg-type]
+        for _ in range(4):
+            # What `claim` records (its compare-and-set needs a real database).
+            run.status = RunStatus.STARTING
+            lifecycle.record_event(  # type: ignore[arg-type]
+                events, run, type="status", status="starting", message="submitting Ray job"
+            )
+            lifecycle.unclaim(events, run, reason="Ray unavailable, will retry")  # type: ignore[arg-type]
+        assert [(e.status, e.message, e.repeats) for e in events.added] == [
+            ("queued", "run created", 1),
+            ("queued", "Ray unavailable, will retry", 4),
+        ]
+        assert run.callback_token_hash == "h"  # a job Ray took anyway still reports
+
+    def test_secrets_in_messages_and_errors_are_taken_out(self, events: _Events) -> None:
+        run = _run(RunStatus.RUNNING)
+        token = "rt_" + "A1b2" * 11
+        lifecycle.settle(  # type: ignore[arg-type]
+            events,
+            run,
+            RunStatus.FAILED,
+            failure=Failure("job_failed", f"postgresql://u:pw-1234567@db/x said no to {token}"),
+        )
+        redacted = "postgresql://***@db/x said no to [redacted]"
+        assert run.error_message == redacted
+        assert events.added[-1].message == redacted

@@ -88,6 +88,30 @@ class TestDocument:
                 continue
             assert any(s.startswith("4") for s in statuses), f"{method.upper()} {path}"
 
+    def test_every_operation_with_input_documents_its_422(self, document: dict[str, Any]) -> None:
+        """A parameter or a body can break a rule; the 422 that says so has tuneyard's shape."""
+        for method, path, operation in _operations(document):
+            if not operation.get("parameters") and "requestBody" not in operation:
+                continue
+            response = operation["responses"].get("422")
+            assert response is not None, f"{method.upper()} {path}"
+            schema = response["content"]["application/json"]["schema"]
+            assert schema == {"$ref": _ERROR_REF}, f"{method.upper()} {path}"
+
+    def test_every_authenticated_operation_documents_its_401_challenge(
+        self, document: dict[str, Any]
+    ) -> None:
+        """RFC 9110 §11.6.1: a 401 carries `WWW-Authenticate`; the document says so."""
+        for method, path, operation in _operations(document):
+            if not operation.get("security"):
+                continue
+            response = operation["responses"].get("401")
+            assert response is not None, f"{method.upper()} {path}"
+            header = response.get("headers", {}).get("WWW-Authenticate")
+            assert header is not None, f"{method.upper()} {path}"
+            assert header["schema"] == {"type": "string"}
+            assert 'Bearer realm="tuneyard"' in header["description"]
+
     def test_every_error_response_has_the_error_shape(self, document: dict[str, Any]) -> None:
         for method, path, operation in _operations(document):
             for status, response in operation["responses"].items():
@@ -110,9 +134,8 @@ class TestDocument:
         assert {"401", "404"} <= statuses("get", "/v1/files/{file_id}")
         assert "404" not in statuses("get", "/v1/runs")  # a list is never missing
         for path in ("/status", "/metrics", "/checkpoints", "/events"):
-            assert {"401", "404", "409", "422"} <= statuses(
-                "post", f"/v1/internal/runs/{{run_id}}{path}"
-            )
+            # An unknown run is a 401 there, like a wrong token: no oracle of run ids.
+            assert {"401", "409", "422"} <= statuses("post", f"/v1/internal/runs/{{run_id}}{path}")
 
     def test_declares_the_credentials_each_route_takes(self, document: dict[str, Any]) -> None:
         """So that /docs can send them: its "Authorize" button lists these schemes."""
@@ -239,6 +262,77 @@ class TestErrorsAsDocumented:
         assert response.status_code == 503
         assert response.headers["content-type"].startswith("application/json")
         assert ErrorResponse.model_validate(response.json()).error == "ray_unavailable"
+
+
+class TestStatusesAsDocumented:
+    """Each operation, provoked into its errors (no key, a wrong key, a broken parameter, a
+    broken body), answers only statuses its entry in the document lists, in the documented
+    shape and with the documented headers."""
+
+    def test_every_provoked_status_is_documented(
+        self, client: TestClient, auth: dict[str, str], document: dict[str, Any]
+    ) -> None:
+        checked = 0
+        for method, path, operation in _operations(document):
+            url = path.format(run_id="run_nope", file_id="file_nope")
+            for headers, params, content in _provocations(operation, auth):
+                response = client.request(
+                    method, url, headers=headers, params=params, content=content
+                )
+                where = f"{method.upper()} {url} {params} {content!r:.40}: {response.status_code}"
+                documented = operation["responses"].get(str(response.status_code))
+                assert documented is not None, where
+                if response.status_code >= 400:
+                    ErrorResponse.model_validate(response.json())
+                for header in documented.get("headers", {}):
+                    assert header in response.headers, f"{where} lacks {header}"
+                checked += 1
+        assert checked > 50  # the provocations really ran
+
+    def test_a_refused_run_token_is_a_documented_401(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        document: dict[str, Any],
+        tmp_path: Path,
+    ) -> None:
+        """A wrong token on a real run: the callbacks' 401, with its challenge."""
+        run = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()
+        for path in ("/status", "/metrics", "/checkpoints", "/events"):
+            template = f"/v1/internal/runs/{{run_id}}{path}"
+            response = client.post(
+                template.format(run_id=run["id"]),
+                json={"attempt": 1},
+                headers={"Authorization": "Bearer not-the-run-token"},
+            )
+            assert response.status_code == 401, response.text
+            documented = document["paths"][template]["post"]["responses"]["401"]
+            for header in documented["headers"]:
+                assert header in response.headers, f"{path} lacks {header}"
+
+
+def _provocations(
+    operation: dict[str, Any], auth: dict[str, str]
+) -> list[tuple[dict[str, str], dict[str, str], bytes | None]]:
+    """(headers, query parameters, body) that should each make the operation refuse."""
+    cases: list[tuple[dict[str, str], dict[str, str], bytes | None]] = []
+    body = b"{}" if "requestBody" in operation else None
+    if operation.get("security"):
+        cases.append(({}, {}, body))
+        cases.append(({"Authorization": "Bearer not-a-key"}, {}, body))
+    for parameter in operation.get("parameters", []):
+        name, where = parameter["name"], parameter["in"]
+        if where == "query":
+            for value in ("NaN", "-1", "x" * 5000, "\x00"):
+                cases.append((auth, {name: value}, body))
+        elif where == "header":
+            for value in ("x" * 300, "not:an:id"):
+                cases.append(({**auth, name: value}, {}, body))
+    if "requestBody" in operation:
+        json_body = {**auth, "Content-Type": "application/json"}
+        for broken in (b"", b"[]", b"{", b"\xff\xfe", b'{"attempt": 1e999}'):
+            cases.append((json_body, {}, broken))
+    return cases
 
 
 class TestDocs:

@@ -233,3 +233,133 @@ class TestModelConfigRules:
         (tmp_path / "data.txt").write_text("hello\n")
         body = run_request(tmp_path, dataset={"source": str(tmp_path / "data.txt")})
         assert "must be one of" in _refused(client, auth, body)["dataset.source"]
+
+
+class TestLocalSources:
+    """A local source is a path that resolves, every link followed, inside the allowed roots
+    (and, for a folder, so does every file in it); anything else is a hub id by the hub's
+    rule. Issue 20: `.`, `..` and `~` slipped through, links inside a folder were not
+    re-checked, and the messages told whether any path on the machine existed."""
+
+    def test_outside_the_roots_the_answer_never_says_whether_a_path_exists(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tmp_path_factory: Any
+    ) -> None:
+        outside = tmp_path_factory.mktemp("outside")
+        (outside / "exists.jsonl").write_text('{"text": "x"}\n')
+        answers = set()
+        for name in ("exists.jsonl", "missing.jsonl", "missing/deeper.jsonl"):
+            source = str(outside / name)
+            message = _refused(client, auth, run_request(tmp_path, dataset={"source": source}))
+            assert "outside the allowed roots" in message["dataset.source"]
+            answers.add(message["dataset.source"].replace(source, "<path>"))
+        assert len(answers) == 1, answers
+        # /etc/passwd and a path that does not exist get the same answer too.
+        for source in ("/etc/passwd", "/etc/no-such-file.jsonl", "/proc/1/environ"):
+            message = _refused(client, auth, run_request(tmp_path, model=source))["model"]
+            assert "outside the allowed roots" in message and "exist" not in message
+
+    def test_inside_the_roots_a_missing_path_is_named(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(tmp_path, dataset={"source": str(tmp_path / "nope.jsonl")})
+        assert "does not exist" in _refused(client, auth, body)["dataset.source"]
+
+    @pytest.mark.parametrize("what", ["dataset", "model"])
+    def test_a_link_inside_a_folder_cannot_leave_the_roots(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        tmp_path_factory: Any,
+        what: str,
+    ) -> None:
+        secret = tmp_path_factory.mktemp("secret")
+        (secret / "private.jsonl").write_text('{"text": "private"}\n')
+        folder = tmp_path / "folder"
+        if what == "model":
+            folder = _model_with_config(tmp_path, model_type="gpt2")
+            (folder / "tokenizer.json").symlink_to(secret / "private.jsonl")
+            body = run_request(tmp_path, model=str(folder))
+            field = "model"
+        else:
+            (folder / "nested").mkdir(parents=True)
+            (folder / "train.jsonl").write_text('{"text": "a b"}\n')
+            (folder / "nested" / "more.jsonl").symlink_to(secret / "private.jsonl")
+            body = run_request(tmp_path, dataset={"source": str(folder)})
+            field = "dataset.source"
+        message = _refused(client, auth, body)[field]
+        assert "leads outside the allowed roots" in message
+
+    def test_a_link_cycle_in_a_folder_ends_the_walk(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        folder = tmp_path / "cyclic"
+        folder.mkdir()
+        (folder / "train.jsonl").write_text('{"text": "a b"}\n')
+        (folder / "again").symlink_to(folder)
+        body = run_request(tmp_path, dataset={"source": str(folder)})
+        response = client.post("/v1/runs", json=body, headers=auth)
+        assert response.status_code == 201, response.text
+
+    def test_a_huge_folder_is_refused_rather_than_walked(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        from app.services import run_rules
+
+        monkeypatch.setattr(run_rules, "MAX_FOLDER_ENTRIES", 3)
+        folder = tmp_path / "many"
+        folder.mkdir()
+        for i in range(4):
+            (folder / f"part-{i}.jsonl").write_text('{"text": "a b"}\n')
+        body = run_request(tmp_path, dataset={"source": str(folder)})
+        assert "more than 3 files" in _refused(client, auth, body)["dataset.source"]
+
+    @pytest.mark.parametrize("source", [".", "..", "a/..", "../../.."])
+    def test_dot_folders_are_not_hub_ids(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        source: str,
+    ) -> None:
+        # As hub ids they loaded from the worker's working directory, out of every root.
+        monkeypatch.chdir(tmp_path / "home")
+        problems = _refused(client, auth, run_request(tmp_path, model=source))
+        assert any(word in problems["model"] for word in ("neither a local path", "outside"))
+
+    @pytest.mark.parametrize("field", ["model", "dataset.source"])
+    def test_home_folders_are_refused_not_expanded(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, field: str
+    ) -> None:
+        value = "~/model" if field == "model" else "~/data.jsonl"
+        body = (
+            run_request(tmp_path, model=value)
+            if field == "model"
+            else run_request(tmp_path, dataset={"source": value})
+        )
+        assert "home folders are not expanded" in _refused(client, auth, body)[field]
+
+    @pytest.mark.parametrize(
+        "path",
+        [
+            "d" * 256,  # one component past NAME_MAX: ENAMETOOLONG from the OS
+            "/".join(["d" * 255] * 17),  # past PATH_MAX
+            "da\x00ta.jsonl",  # an embedded NUL: ValueError from the OS call
+        ],
+    )
+    @pytest.mark.parametrize("field", ["model", "dataset.source"])
+    def test_paths_the_os_refuses_are_422_naming_the_field(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, path: str, field: str
+    ) -> None:
+        value = f"{tmp_path}/{path}"
+        body = (
+            run_request(tmp_path, model=value)
+            if field == "model"
+            else run_request(tmp_path, dataset={"source": value})
+        )
+        assert field in _refused(client, auth, body)

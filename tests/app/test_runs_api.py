@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -278,6 +279,35 @@ class TestListRuns:
         response = client.get("/v1/runs", params={"limit": 101}, headers=auth)
         assert response.status_code == 422
         assert "limit" in _problems(response)
+
+    @pytest.mark.parametrize("key", ["it's", "clé", 'a"b', "日本", "a.b", "a b"])
+    def test_filters_by_any_metadata_key_on_both_databases(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, key: str
+    ) -> None:
+        # SQLite's JSON path missed keys with a double quote, and non-ASCII keys (stored as
+        # \u escapes), where PostgreSQL found them: the same filter, two answers.
+        wanted = client.post(
+            "/v1/runs", json=run_request(tmp_path, metadata={key: "été"}), headers=auth
+        ).json()["id"]
+        client.post("/v1/runs", json=run_request(tmp_path, metadata={key: "hiver"}), headers=auth)
+        client.post("/v1/runs", json=run_request(tmp_path, metadata={"other": "été"}), headers=auth)
+
+        found = client.get("/v1/runs", params={f"metadata.{key}": "été"}, headers=auth)
+        assert found.status_code == 200, found.text
+        assert [r["id"] for r in found.json()["data"]] == [wanted]
+
+    @pytest.mark.parametrize(
+        ("key", "value"), [("team", "a\x00b"), ("te\x00am", "a"), ("team", "v" * 257)]
+    )
+    def test_a_metadata_filter_no_run_can_match_is_422_not_500(
+        self, client: TestClient, auth: dict[str, str], key: str, value: str
+    ) -> None:
+        # A NUL reached PostgreSQL, which cannot compare it: a 500 on every try.
+        response = client.get("/v1/runs", params={f"metadata.{key}": value}, headers=auth)
+        assert response.status_code == 422, response.text
+        ((field, message),) = _problems(response).items()
+        assert field.startswith("metadata")
+        assert "NUL" in message or "at most 256 characters" in message
 
     def test_a_forged_cursor_is_422(self, client: TestClient, auth: dict[str, str]) -> None:
         response = client.get("/v1/runs", params={"cursor": "garbage!"}, headers=auth)

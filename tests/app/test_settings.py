@@ -136,3 +136,22 @@ class TestJobEnvironmentSettings:
             Settings(home=tmp_path)
         assert "must be a JSON object" in str(raised.value)
         assert "hf_do_not_print_me" not in str(raised.value)
+
+
+class TestSourceRoots:
+    def test_the_default_roots_hold_the_uploads_but_refuse_them(self, tmp_path: Path) -> None:
+        # $TUNEYARD_HOME holds the storage path: without `refused`, any tenant could train
+        # on another's upload by naming its path.
+        settings = Settings(home=tmp_path / "home")
+        roots = settings.resolved_allowed_roots
+        uploads = settings.resolved_storage_path / "files"
+        assert settings.home_dir in roots and uploads.is_relative_to(settings.home_dir)
+        assert roots.refused == (uploads,)
+
+    def test_configured_roots_refuse_the_uploads_too(self, tmp_path: Path) -> None:
+        settings = Settings(
+            home=tmp_path / "home", storage_path=tmp_path / "shared", allowed_roots=str(tmp_path)
+        )
+        roots = settings.resolved_allowed_roots
+        assert list(roots) == [tmp_path.resolve()]
+        assert roots.refused == ((tmp_path / "shared" / "files").resolve(),)

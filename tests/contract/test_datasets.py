@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from contract.datasets import (
     FILE_FORMATS,
@@ -38,9 +39,26 @@ class TestFiles:
         assert file_format("notes.txt") is None
         assert ".txt" not in FILE_FORMATS
 
-    @pytest.mark.parametrize("source", ["/d.jsonl", "./d", "../d", "~/d"])
+    @pytest.mark.parametrize("source", ["/d.jsonl", "./d", "../d"])
     def test_paths_are_local(self, source: str) -> None:
         assert is_local_source(source) and not is_uploaded(source)
+
+    @pytest.mark.parametrize("source", ["~/d.jsonl", "~root/d.jsonl"])
+    def test_home_folders_are_refused_not_expanded(self, source: str) -> None:
+        # Whose home `~` would name (the service's, a worker's, any user's) is not the
+        # client's to choose; the worker once expanded it.
+        assert not is_local_source(source)
+        with pytest.raises(ValidationError, match="home folders are not expanded"):
+            DatasetSpec(source=source)
+
+    @pytest.mark.parametrize("source", [".", "..", "./", "../", "data/.."])
+    def test_dot_folders_are_neither_hub_ids_nor_silently_local(self, source: str) -> None:
+        # `.` and `..` as hub ids were loaded from the worker's working directory.
+        if source.endswith("/"):
+            assert is_local_source(source)  # spelled as paths: checked against the roots
+        else:
+            with pytest.raises(ValidationError, match="neither a local path"):
+                DatasetSpec(source=source)
 
     def test_hub_ids_and_uploads_are_not_local(self) -> None:
         assert not is_local_source("fancyzhx/ag_news")

@@ -127,3 +127,135 @@ def test_the_contract_imports_neither_torch_nor_the_service() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.replace("'", '"')) == []
+
+
+def _refused_at(body: dict[str, Any]) -> dict[str, str]:
+    """{dotted field: message} of a body the schema refuses."""
+    with pytest.raises(ValidationError) as caught:
+        RunRequest.model_validate(body)
+    return {".".join(map(str, e["loc"])): e["msg"] for e in caught.value.errors()}
+
+
+# Every string field but the sources, which have a rule of their own (below).
+_NAMES = [
+    ("dataset", "split"),
+    ("dataset", "config"),
+    ("dataset", "text_field"),
+    ("dataset", "text_pair_field"),
+    ("dataset", "label_field"),
+    ("dataset", "prompt_field"),
+    ("dataset", "completion_field"),
+    ("dataset", "eval_split"),
+]
+
+
+def _with(group: str, name: str, value: Any) -> dict[str, Any]:
+    base = _request()
+    if group == "dataset":
+        return {**base, "dataset": {**base["dataset"], name: value}}
+    return {**base, group: {name: value}}
+
+
+class TestBounds:
+    """Issue 20: a 40 MiB `model` was stored, a NUL made PostgreSQL fail, and integers past
+    2**31 overflowed the INTEGER columns. Every string and number has a bound now."""
+
+    def test_a_40_mib_model_is_refused_without_echoing_it(self) -> None:
+        problems = _refused_at(_request(model="/m" + "x" * (40 << 20)))
+        assert problems == {"model": "String should have at most 4095 characters"}
+
+    def test_a_long_hub_id_is_refused_by_the_hubs_rule(self) -> None:
+        assert "maximum length is 96" in _refused_at(_request(model="a" * 97))["model"]
+
+    @pytest.mark.parametrize(("group", "name"), _NAMES)
+    def test_every_name_is_bounded(self, group: str, name: str) -> None:
+        problems = _refused_at(_with(group, name, "x" * 257))
+        assert problems == {f"{group}.{name}": "String should have at most 256 characters"}
+        RunRequest.model_validate(_with(group, name, "x" * 256))
+
+    @pytest.mark.parametrize(("group", "name"), [*_NAMES, ("dataset", "source"), ("", "model")])
+    @pytest.mark.parametrize("bad", ["a\x00b", "a\nb", "a\tb", "\x7f"])
+    def test_no_string_holds_nul_or_control_characters(
+        self, group: str, name: str, bad: str
+    ) -> None:
+        body = _with(group, name, bad) if group else _request(**{name: bad})
+        field = f"{group}.{name}" if group else name
+        message = _refused_at(body)[field]
+        assert "NUL" in message or "control characters" in message
+
+    def test_metadata_keys_and_values_refuse_nul(self) -> None:
+        assert "NUL" in " ".join(_refused_at(_request(metadata={"team": "a\x00"})).values())
+        assert "NUL" in " ".join(_refused_at(_request(metadata={"te\x00am": "a"})).values())
+        assert "metadata.team" in _refused_at(_request(metadata={"team": "\ud800"}))
+
+    def test_metadata_keys_may_be_any_printable_text(self) -> None:
+        keys = {"it's": "1", "clé": "é", 'a"b': "x", "日本": "y", "a b.c": "z"}
+        assert RunRequest.model_validate(_request(metadata=keys)).metadata == keys
+
+    @pytest.mark.parametrize(
+        ("group", "name", "too_big"),
+        [
+            ("training", "max_steps", 100_000_001),
+            ("training", "epochs", 1_001),
+            ("training", "warmup_steps", 100_000_001),
+            ("training", "seed", 2**31),
+            ("training", "log_every_n_steps", 100_000_001),
+            ("training", "eval_every_n_steps", 100_000_001),
+            ("training", "weight_decay", 1.5),
+            ("training", "max_grad_norm", 1e9),
+            ("dataset", "max_samples", 2**31),
+            ("checkpointing", "every_n_steps", 100_000_001),
+            ("checkpointing", "keep_last", 1_001),
+            ("deepspeed", "tensor_parallel_size", 1_025),
+            ("resources", "cpus_per_worker", 1e9),
+            ("resources", "gpus_per_worker", 65),
+        ],
+    )
+    @pytest.mark.parametrize("scale", [1, 2**32, 10**30])
+    def test_every_number_has_a_ceiling_below_the_databases_integer(
+        self, group: str, name: str, too_big: float, scale: int
+    ) -> None:
+        value = too_big * scale
+        body = _with(group, name, value)
+        if group == "resources":
+            body["resources"]["use_gpu"] = True
+        assert f"{group}.{name}" in _refused_at(body)
+
+    def test_the_ceilings_are_themselves_accepted(self) -> None:
+        request = RunRequest.model_validate(
+            _request(
+                training={"max_steps": 100_000_000, "warmup_steps": 100_000_000, "seed": 2**31 - 1},
+                dataset={"source": "/d.jsonl", "max_samples": 2**31 - 1},
+                checkpointing={"keep_last": 1_000, "every_n_steps": 100_000_000},
+            )
+        )
+        assert request.training.seed == 2**31 - 1
+
+
+class TestSources:
+    """A source is a local path (absolute, or ./ or ../) or a hub id by the hub's own rule."""
+
+    @pytest.mark.parametrize(
+        "model", ["gpt2", "openai-community/gpt2", "Qwen/Qwen2.5-0.5B", "/models/m", "./m", "../m"]
+    )
+    def test_hub_ids_and_paths(self, model: str) -> None:
+        assert RunRequest.model_validate(_request(model=model)).model == model
+
+    @pytest.mark.parametrize(
+        "model", [".", "..", "a/../b", "a/b/c", "-gpt2", "gpt2.", "a--b", "m.git", "gpt 2", "é"]
+    )
+    def test_what_is_neither_is_refused_with_the_hubs_rule(self, model: str) -> None:
+        message = _refused_at(_request(model=model))["model"]
+        assert "neither a local path" in message and "hub id" in message
+
+    @pytest.mark.parametrize("field", ["model", "dataset.source"])
+    @pytest.mark.parametrize("home", ["~/models/m", "~root/.ssh"])
+    def test_home_folders_are_refused(self, field: str, home: str) -> None:
+        body = _request(model=home) if field == "model" else _request(dataset={"source": home})
+        assert "home folders are not expanded" in _refused_at(body)[field]
+
+    def test_a_path_component_longer_than_the_os_allows_is_refused(self) -> None:
+        message = _refused_at(_request(dataset={"source": "/data/" + "d" * 256}))["dataset.source"]
+        assert "at most 255 bytes" in message
+        # Counted in bytes, as the OS counts: 128 two-byte characters are 256 bytes.
+        assert "dataset.source" in _refused_at(_request(dataset={"source": "/" + "é" * 128}))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 import torch
 
+from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
 from contract.run_request import RunSpec
 from worker.metrics import MetricSinks
 from worker.train_loop import StepResult
@@ -22,7 +25,7 @@ class _Engine:
         return 2.0
 
 
-def _sinks() -> MetricSinks:
+def _sinks(rank: int = 1) -> MetricSinks:
     spec = RunSpec.model_validate(
         {
             "run_id": "run_x",
@@ -33,7 +36,7 @@ def _sinks() -> MetricSinks:
             "training": {"max_steps": 3},
         }
     )
-    return MetricSinks(spec, rank=1)  # rank 1: no service client
+    return MetricSinks(spec, rank=rank)  # rank 1: no service client
 
 
 def _log(sinks: MetricSinks, engine: Any, *, step: int, loss: float) -> None:
@@ -69,6 +72,35 @@ def test_eval_metrics_join_the_completed_step() -> None:
     assert sinks.latest["loss"] == 3.0
     assert sinks.latest["eval_loss"] == 1.5
     sinks.close()
+
+
+def test_a_diverging_step_reaches_the_service_and_a_refusal_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 posts a NaN loss like any other (before, the post raised ValueError in the
+    training loop and failed the run); a step the service refuses is logged at the flush."""
+    from tests.worker.test_service_client import RecordingService, delivered_points
+
+    caplog.set_level(logging.ERROR, logger="tuneyard.worker")
+    service = RecordingService()
+    service.serve()
+    monkeypatch.setenv(CALLBACK_URL_ENV, service.url)
+    monkeypatch.setenv(TOKEN_ENV, "run-token")
+    sinks, engine = _sinks(rank=0), _Engine()
+    try:
+        _log(sinks, engine, step=1, loss=float("nan"))
+        sinks.flush()
+        losses = [p["value"] for p in delivered_points(service) if p["name"] == "loss"]
+        assert losses == ["NaN"]
+        assert caplog.text == ""
+
+        service.default_status = 409  # the attempt is over
+        _log(sinks, engine, step=2, loss=float("inf"))
+        sinks.flush()
+        assert "metrics up to step 2 did not all reach the service" in caplog.text
+    finally:
+        sinks.close()
+        service.close()
 
 
 def _rank_reduces_beside_training(rank: int, port: int, out: str) -> None:

@@ -360,3 +360,111 @@ class TestMetricsSender:
         sizes = [len(r.body["points"]) for r in service.requests()]
         assert sizes == [METRICS_BATCH_POINTS, METRICS_BATCH_POINTS, 7]
         assert [p["step"] for p in delivered_points(service)] == list(range(total))
+
+
+class TestNonFiniteValuesAndLostPoints:
+    """A diverging run (NaN, ±Infinity) keeps reporting; a point lost is never silent."""
+
+    def test_nonfinite_values_go_as_the_strings_the_service_reads(
+        self, service: RecordingService, client: ServiceClient
+    ) -> None:
+        service.serve()
+        nan, inf = float("nan"), float("inf")
+
+        assert client.checkpoint(
+            step=1, epoch=0.5, path="/s/c", kind="deepspeed", metrics={"loss": nan, "g": -inf}
+        )
+        sender = MetricsSender(client, flush_interval_s=60)
+        try:
+            sender.log({"loss": nan, "grad_norm": inf, "lr": 0.1}, step=2, progress={"step": 2})
+            assert sender.flush(timeout_s=2) is True
+        finally:
+            sender.close(timeout_s=2)
+
+        checkpoint, metrics = service.requests()
+        assert checkpoint.body["metrics"] == {"loss": "NaN", "g": "-Infinity"}
+        assert [(p["name"], p["value"]) for p in metrics.body["points"]] == [
+            ("loss", "NaN"),
+            ("grad_norm", "Infinity"),
+            ("lr", 0.1),
+        ]
+
+    def test_the_thread_outlives_a_send_that_raises(
+        self,
+        service: RecordingService,
+        client: ServiceClient,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """Anything a send raises (not only a network error) leaves the thread running,
+        and the batch in the buffer: the next round delivers it, with no flush."""
+        caplog.set_level(logging.ERROR, logger="tuneyard.worker")
+        service.serve()
+        real_post = client._http.post
+        failures = [RuntimeError("encoder bug")]
+
+        def post_failing_once(*args: Any, **kwargs: Any) -> Any:
+            if failures:
+                raise failures.pop()
+            return real_post(*args, **kwargs)
+
+        monkeypatch.setattr(client._http, "post", post_failing_once)
+        sender = MetricsSender(client, flush_interval_s=0.05)
+        try:
+            sender.log({"loss": 1.0}, step=1, progress={"step": 1})
+            assert wait_until(lambda: not failures)
+            sender.log({"loss": 0.5}, step=2, progress={"step": 2})
+            assert wait_until(lambda: len(delivered_points(service)) >= 2)
+        finally:
+            sender.close(timeout_s=2)
+
+        assert [p["step"] for p in delivered_points(service)] == [1, 2]
+        assert "encoder bug" in caplog.text
+
+    @pytest.mark.parametrize("status", [401, 409, 422])
+    def test_flush_is_false_when_the_service_refused_points(
+        self,
+        service: RecordingService,
+        client: ServiceClient,
+        status: int,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        caplog.set_level(logging.ERROR, logger="tuneyard.worker")
+        service.statuses.append(status)
+        service.serve()
+        sender = MetricsSender(client, flush_interval_s=60)
+        try:
+            sender.log({"loss": 1.0, "lr": 0.1}, step=1, progress={"step": 1})
+            assert sender.flush(timeout_s=2) is False
+            assert "refused 2 metric points" in caplog.text
+            # Reported once; what follows is delivered and flushed as usual.
+            sender.log({"loss": 0.9}, step=2, progress={"step": 2})
+            assert sender.flush(timeout_s=2) is True
+        finally:
+            sender.close(timeout_s=2)
+        assert len(service.requests()) == 2
+
+    def test_flush_is_false_when_a_full_buffer_dropped_points(
+        self, service: RecordingService, client: ServiceClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr("worker.service_client.METRICS_BUFFER_POINTS", 5)
+        sender = MetricsSender(client, flush_interval_s=60)
+        try:
+            for step in range(1, 9):  # the service is down: 8 points into a buffer of 5
+                sender.log({"loss": float(step)}, step=step, progress={"step": step})
+            service.serve()
+            assert sender.flush(timeout_s=2) is False
+        finally:
+            sender.close(timeout_s=2)
+        # The newest five arrived; the oldest three were lost, and flush said so.
+        assert [p["step"] for p in delivered_points(service)] == [4, 5, 6, 7, 8]
+
+    def test_a_value_that_is_no_number_fails_where_it_is_logged(
+        self, client: ServiceClient
+    ) -> None:
+        sender = MetricsSender(client, flush_interval_s=60)
+        try:
+            with pytest.raises(TypeError):
+                sender.log({"loss": object()}, step=1, progress={"step": 1})  # type: ignore[dict-item]
+        finally:
+            sender.close(timeout_s=0)

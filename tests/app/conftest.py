@@ -1,0 +1,40 @@
+"""Fixtures for the service's tests: a run that a (recording) Ray has started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.settings import Settings
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.factories import run_request
+
+
+def start_run(
+    client: TestClient,
+    auth: dict[str, str],
+    root: Path,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+) -> tuple[str, str]:
+    """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
+    run_id = client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"]
+    ray = dispatch_to(ScriptedRay(), settings, session_factory)
+    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+    return run_id, token
+
+
+@pytest.fixture
+def started(
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+) -> tuple[str, dict[str, str]]:
+    """A started run: (its id, the headers its worker posts with)."""
+    run_id, token = start_run(client, auth, tmp_path, settings, session_factory)
+    return run_id, {"Authorization": f"Bearer {token}"}

@@ -1,0 +1,127 @@
+"""Many more concurrent requests than worker threads and connections: every one is answered.
+
+The pool and the thread limit are made tiny here so that a flood of a hundred requests is
+enough to provoke what 50-100 concurrent clients provoked in production: sessions holding
+every connection while they wait for a thread to close them, and every thread waiting for a
+connection (issue 20). Real database, real app, requests through its ASGI interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from app import db
+from app.main import create_app
+from app.settings import Settings
+from tests.app.conftest import start_run
+from tests.conftest import make_api_key
+from tests.factories import run_request
+
+# Fewer worker threads than requests in flight, and a pool a fraction of either.
+THREADS = 4
+REQUESTS = 120
+# A checkout that has to wait this long fails the request (a 500), where the default would
+# hold the test for 30 s per request.
+POOL_TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def tiny_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(db, "REQUEST_SESSION_SLOTS", 2)
+    monkeypatch.setattr(db, "KEY_LOOKUP_SLOTS", 1)
+    monkeypatch.setattr(db, "BACKGROUND_CONNECTIONS", 1)
+    monkeypatch.setattr(db, "POOL_MAX_OVERFLOW", 0)
+    monkeypatch.setattr(db, "POOL_TIMEOUT_S", POOL_TIMEOUT_S)
+
+
+Call = Callable[[httpx.AsyncClient], Any]
+
+
+def request_mix(root: Path, run_id: str, key: str, token: str) -> list[tuple[str, Call]]:
+    """What clients of a busy service send: status polls, lists, metric reads, validations,
+    creates, and a worker posting metrics."""
+    auth = {"Authorization": f"Bearer {key}"}
+    worker = {"Authorization": f"Bearer {token}"}
+    body = run_request(root)
+
+    def metrics_post(step: int) -> dict[str, Any]:
+        now = datetime.now(UTC).isoformat()
+        return {"attempt": 1, "points": [{"step": step, "name": "loss", "value": 1.0, "time": now}]}
+
+    calls: list[tuple[str, Call]] = [
+        ("get run", lambda h: h.get(f"/v1/runs/{run_id}", headers=auth)),
+        ("list runs", lambda h: h.get("/v1/runs", headers=auth)),
+        ("read metrics", lambda h: h.get(f"/v1/runs/{run_id}/metrics", headers=auth)),
+        ("validate", lambda h: h.post("/v1/runs/validate", json=body, headers=auth)),
+        ("create", lambda h: h.post("/v1/runs", json=body, headers=auth)),
+    ]
+    mix = [calls[i % len(calls)] for i in range(REQUESTS)]
+    for step in range(REQUESTS // 6):
+        mix.insert(
+            step * 7,
+            (
+                "post metrics",
+                lambda h, s=step: h.post(
+                    f"/v1/internal/runs/{run_id}/metrics", json=metrics_post(s), headers=worker
+                ),
+            ),
+        )
+    return mix
+
+
+async def flood(app: FastAPI, mix: list[tuple[str, Call]]) -> list[tuple[str, int, str]]:
+    """Every request at once; (what, status code, body) of each."""
+    anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+    answers: list[tuple[str, int, str]] = []
+
+    async def one(http: httpx.AsyncClient, what: str, call: Call) -> None:
+        response = await call(http)
+        answers.append((what, response.status_code, response.text[:200]))
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tuneyard") as http:
+            # Not a timing assertion: only so that a stalled service fails instead of hanging.
+            with anyio.fail_after(180):
+                async with anyio.create_task_group() as tg:
+                    for what, call in mix:
+                        tg.start_soon(one, http, what, call)
+    return answers
+
+
+class TestAdmission:
+    def test_a_flood_of_requests_is_answered_in_full(
+        self,
+        tiny_pool: None,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        tmp_path: Path,
+    ) -> None:
+        key = make_api_key(session_factory)
+        auth = {"Authorization": f"Bearer {key}"}
+        with TestClient(create_app(settings, start_background=False)) as setup:
+            run_id, token = start_run(setup, auth, tmp_path, settings, session_factory)
+
+        mix = request_mix(tmp_path, run_id, key, token)
+        answers = anyio.run(flood, create_app(settings, start_background=False), mix)
+
+        failed = [a for a in answers if not 200 <= a[1] < 300]
+        assert len(answers) == len(mix)
+        assert failed == []
+        # The writes all landed: every worker post and every create.
+        with TestClient(create_app(settings, start_background=False)) as check:
+            stored = check.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
+            listed = check.get("/v1/runs", params={"limit": 100}, headers=auth).json()["data"]
+        assert len(stored) == sum(1 for what, _ in mix if what == "post metrics")
+        assert len(listed) == 1 + sum(1 for what, _ in mix if what == "create")
