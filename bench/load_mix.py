@@ -61,6 +61,7 @@ POINTS_PER_POST = 10
 class Tally:
     latencies_s: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
 
     def fail(self, what: str) -> None:
         self.failures[what] = self.failures.get(what, 0) + 1
@@ -183,6 +184,7 @@ async def drive(
             except httpx.HTTPError:
                 ok = False
             tally.latencies_s.append(time.monotonic() - start)
+            tally.by_kind.setdefault(kind, []).append(tally.latencies_s[-1])
             if not ok:
                 tally.fail(kind)
 
@@ -223,6 +225,9 @@ def measure(
         "p99 ms": 1000 * percentile(latencies, 99),
         "worst ms": 1000 * max(latencies, default=float("nan")),
         f"over {TARGET_WORST_S:.0f} s": sum(1 for s in latencies if s > TARGET_WORST_S),
+        "p99 ms by kind": ", ".join(
+            f"{k} {1000 * percentile(v, 99):.0f}" for k, v in sorted(tally.by_kind.items())
+        ),
         "failed by kind": ", ".join(f"{k}: {n}" for k, n in tally.failures.items()) or "-",
     }
 

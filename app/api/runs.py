@@ -196,8 +196,9 @@ def list_runs(
         limit=limit,
         cursor=cursor,
     )
+    positions = runs.queue_positions(session, rows)
     return RunList(
-        data=[RunView.of(r, queue_position=runs.queue_position(session, r)) for r in rows],
+        data=[RunView.of(r, queue_position=positions.get(r.id)) for r in rows],
         next_cursor=next_cursor,
     )
 
