@@ -9,6 +9,7 @@ from typing import Annotated, TypeVar
 import anyio
 import anyio.to_thread
 from fastapi import Depends, Request
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import db
@@ -242,8 +243,9 @@ async def _find_principal(state: AppState, secret: str) -> Principal | None:
 
 
 def _lookup(factory: sessionmaker[Session], secret: str) -> Principal | None:
-    with factory() as session:
-        key = find_api_key(session, secret=secret)
+    engine: Engine = factory.kw["bind"]
+    with engine.connect() as connection:
+        key = find_api_key(connection, secret=secret)
         return None if key is None else Principal(id=key.id, name=key.name)
 
 
