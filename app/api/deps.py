@@ -118,7 +118,7 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     state = app_state(request)
     factory = _factory(request)
     lock: anyio.Lock | None = None
-    if factory is state.session_factory and _is_sqlite(factory):
+    if factory is state.session_factory and is_sqlite(factory):
         # SQLite has one writer at a time. Write requests queue here, on the event loop,
         # rather than each holding a worker thread while it waits for the lock. Before the
         # admission slot: a writer waiting for the lock should not keep a reader out.
@@ -176,7 +176,7 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
             return read(session)
 
     async with state.admission.sessions:
-        if _is_sqlite(factory):
+        if is_sqlite(factory):
             return in_session()
         with anyio.CancelScope(shield=True):
             result = await anyio.to_thread.run_sync(
@@ -185,7 +185,7 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
         return result
 
 
-def _is_sqlite(factory: sessionmaker[Session]) -> bool:
+def is_sqlite(factory: sessionmaker[Session]) -> bool:
     bind = factory.kw.get("bind")
     return bind is not None and bind.dialect.name == "sqlite"
 
@@ -234,7 +234,7 @@ async def _find_principal(state: AppState, secret: str) -> Principal | None:
     # lookups' own, whose limiter is their admission.
     factory = state.read_session_factory
     limiter = state.admission.key_lookups
-    if _is_sqlite(factory):
+    if is_sqlite(factory):
         async with limiter:
             return _lookup(factory, secret)
     with anyio.CancelScope(shield=True):

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Form, Request, Security, UploadFile, status
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.body_limit import UploadLimitedRoute
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, app_state
+from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, app_state, is_sqlite
 from app.db import transaction
 from app.schemas.errors import error_responses
 from app.schemas.file_view import FileView
@@ -73,7 +73,7 @@ async def upload_file(
         text_pair_field=text_pair_field,
     )
     state = app_state(request)
-    storage_dir = settings.resolved_storage_path / "files"
+    storage_dir = settings.uploads_dir
     await _admitted(
         request,
         lambda: files.sweep_partials_now_and_then(
@@ -119,8 +119,7 @@ def _record(
 async def _one_writer(request: Request) -> AsyncIterator[None]:
     """SQLite's one-writer lock, as get_session takes it for write requests (no-op elsewhere)."""
     state = app_state(request)
-    bind = state.session_factory.kw.get("bind")
-    if bind is None or bind.dialect.name != "sqlite":
+    if not is_sqlite(state.session_factory):
         yield
         return
     async with state.sqlite_write_lock:
