@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from datetime import UTC, datetime
 from typing import Any
@@ -40,6 +41,10 @@ def utcnow() -> datetime:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(10)}"
+
+
+# A run's id as new_id makes it: a run may be named where a model is (train from its export).
+RUN_ID = re.compile(r"run_[0-9a-f]{20}")
 
 
 class Base(DeclarativeBase):
@@ -138,7 +143,7 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(Integer)
     epoch: Mapped[float | None] = mapped_column(Float)
     path: Mapped[str] = mapped_column(Text)
-    kind: Mapped[str] = mapped_column(String(16))  # "deepspeed" | "hf"
+    kind: Mapped[str] = mapped_column(String(16))  # "deepspeed" | "hf" | "adapter"
     metrics: Mapped[dict[str, float | str]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -74,6 +74,51 @@ BERT_MRPC_ZERO3: dict[str, Any] = {
     "metadata": {"tutorial": "bert-mrpc"},
 }
 
+# Chat SFT with LoRA: OpenAI-format conversations (`messages`; an uploaded file works the
+# same), rendered with the model's own chat template; the loss is on assistant turns only.
+QWEN_CHAT_LORA: dict[str, Any] = {
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "dataset": {"source": "HuggingFaceH4/ultrachat_200k", "split": "train_sft", "format": "chat"},
+    "training": {
+        "epochs": 2,
+        "learning_rate": 2e-4,
+        "batch_size_per_worker": 4,
+        "seq_length": 2048,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 20,
+        "packing": True,
+        "gradient_checkpointing": True,
+    },
+    "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"},
+    "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+    "resources": {"num_workers": 8, "use_gpu": True},
+    "metadata": {"tutorial": "qwen-chat-lora"},
+}
+
+# DPO: preference pairs (a prompt, a chosen and a rejected answer); with LoRA the reference
+# is the starting model with the adapter disabled. `model` may also name an earlier run
+# ("run_..."), to start from its exported model.
+DPO_LORA: dict[str, Any] = {
+    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+    "method": {"type": "dpo", "beta": 0.1},
+    "dataset": {
+        "source": "Intel/orca_dpo_pairs",
+        "format": "preference",
+        "prompt_field": "question",
+    },
+    "training": {
+        "epochs": 1,
+        "learning_rate": 5e-6,
+        "batch_size_per_worker": 2,
+        "gradient_accumulation_steps": 4,
+        "seq_length": 1024,
+    },
+    "lora": {"r": 16, "alpha": 32, "export": "both"},
+    "deepspeed": {"zero_stage": 3, "precision": "bf16"},
+    "resources": {"num_workers": 8, "use_gpu": True},
+    "metadata": {"tutorial": "dpo-lora"},
+}
+
 # FastAPI's `openapi_examples`: name → {summary, description, value}; /docs lists them by name.
 RUN_REQUEST_EXAMPLES: dict[str, dict[str, Any]] = {
     "gpt2-zero3": {
@@ -93,5 +138,21 @@ RUN_REQUEST_EXAMPLES: dict[str, dict[str, Any]] = {
         "description": "Sentence pairs (`sentence1`, `sentence2`) classified by `label`, "
         "evaluated on the validation split.",
         "value": BERT_MRPC_ZERO3,
+    },
+    "qwen2.5-7b-chat-lora": {
+        "summary": "Chat fine-tuning of Qwen2.5-7B-Instruct with LoRA under ZeRO-2",
+        "description": "OpenAI-format conversations (an uploaded file with purpose chat "
+        "works the same); "
+        "the loss is on assistant turns only; rank-16 adapters on every linear layer, "
+        "packed sequences that never attend across conversations.",
+        "value": QWEN_CHAT_LORA,
+    },
+    "dpo-lora": {
+        "summary": "DPO with LoRA on preference pairs",
+        "description": "Preference pairs (prompt, chosen, rejected) against the starting "
+        "model as reference (the adapter disabled: no second copy); exports both the "
+        "adapter and the merged model. `model` may name an earlier run (`run_...`) to "
+        "start from its exported model.",
+        "value": DPO_LORA,
     },
 }

@@ -23,14 +23,22 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StringConstraints,
+    Tag,
     field_validator,
     model_validator,
 )
 
 from contract.bounds import INT32_MAX, refuse_nul
-from contract.examples import BERT_MRPC_ZERO3, GPT2_ZERO3, QWEN_AUTOTP
+from contract.examples import (
+    BERT_MRPC_ZERO3,
+    DPO_LORA,
+    GPT2_ZERO3,
+    QWEN_AUTOTP,
+    QWEN_CHAT_LORA,
+)
 from contract.job_env import SPEC_ENV
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -131,6 +139,10 @@ DatasetSource = Annotated[
     StringConstraints(min_length=1, max_length=MAX_PATH_BYTES),
     AfterValidator(_dataset_source),
 ]
+# A Jinja template is a document: bounded, but far above any real one (Qwen2.5's is ~2.5 KB).
+ChatTemplate = Annotated[
+    str, StringConstraints(min_length=1, max_length=65_536), AfterValidator(refuse_nul)
+]
 # Metadata keys may be any printable text (quotes, accents, CJK): the filter finds them all.
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64), AfterValidator(_name)]
 MetadataValue = Annotated[str, StringConstraints(max_length=256), AfterValidator(refuse_nul)]
@@ -149,10 +161,26 @@ class DatasetSpec(BaseModel):
     text_field: Name = "text"
     text_pair_field: Name | None = None
     label_field: Name | None = None
-    format: Literal["text", "prompt_completion"] = "text"
-    # For format=prompt_completion: the loss is on the completion tokens only.
+    format: Literal["text", "prompt_completion", "chat", "preference"] = Field(
+        default="text",
+        description="text: plain text, the loss on every token. prompt_completion: the loss "
+        "on the completion only. chat: OpenAI-style conversations (`messages`), rendered with "
+        "the model's chat template, the loss on assistant turns only. preference: `prompt`, "
+        "`chosen` and `rejected` per record, for method dpo.",
+    )
+    # For format=prompt_completion (and preference): the loss is on the completion only.
     prompt_field: Name = "prompt"
     completion_field: Name = "completion"
+    # For format=chat: the record field holding the list of messages.
+    messages_field: Name = "messages"
+    chat_template: ChatTemplate | None = Field(
+        default=None,
+        description="A Jinja chat template for a model whose tokenizer has none (format chat, "
+        "or preference records given as messages); it wins over the model's own.",
+    )
+    # For format=preference: the preferred and the dispreferred answer.
+    chosen_field: Name = "chosen"
+    rejected_field: Name = "rejected"
     eval_split: Name | None = None
     max_samples: int | None = Field(default=None, gt=0, le=INT32_MAX)
 
@@ -274,6 +302,76 @@ class FaultToleranceSpec(BaseModel):
     )
 
 
+class SftMethod(BaseModel):
+    """Supervised fine-tuning: next-token loss on the learned tokens (the default)."""
+
+    model_config = _strict
+
+    type: Literal["sft"] = "sft"
+
+
+class DpoMethod(BaseModel):
+    """Direct preference optimisation (Rafailov et al. 2023) on format=preference records,
+    against the starting model as reference (under LoRA: the base, adapter disabled)."""
+
+    model_config = _strict
+
+    type: Literal["dpo"]
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        le=100,
+        description="How far the policy may move from the reference: the temperature of the "
+        "implicit reward, as in TRL's DPOConfig.beta.",
+    )
+
+
+Method = Annotated[SftMethod | DpoMethod, Field(discriminator="type")]
+
+# `target_modules`: a module name suffix as peft matches it ("q_proj"), never a path.
+TargetModule = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_name)
+]
+
+# Tagged by the value's shape, so an error names `target_modules.list.0` (or `.name`), not
+# pydantic's internal type names.
+TargetModules = Annotated[
+    Annotated[Literal["all-linear"], Tag("name")] | Annotated[list[TargetModule], Tag("list")],
+    Discriminator(lambda value: "list" if isinstance(value, list) else "name"),
+]
+
+
+class LoraSpec(BaseModel):
+    """Low-rank adapters (peft's LoRA) in place of full fine-tuning: only the adapters
+    train, the base weights stay frozen."""
+
+    model_config = _strict
+
+    r: int = Field(default=16, gt=0, le=4096, description="The adapters' rank.")
+    alpha: float = Field(
+        default=32, gt=0, le=1_000_000, description="Scaling: updates are scaled by alpha / r."
+    )
+    dropout: float = Field(default=0.05, ge=0, lt=1)
+    target_modules: TargetModules = Field(
+        default="all-linear",
+        description="'all-linear' (every linear layer but the output head, as peft does), or "
+        "module names such as ['q_proj', 'v_proj'].",
+    )
+    export: Literal["adapter", "merged", "both"] = Field(
+        default="adapter",
+        description="adapter: adapter_config.json + weights for peft's "
+        "PeftModel.from_pretrained on the base model; merged: a full model with the adapters "
+        "folded in; both.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: Any) -> Any:
+        if isinstance(value, list) and not 1 <= len(value) <= 256:
+            raise ValueError("target_modules lists 1 to 256 module names, or is 'all-linear'")
+        return value
+
+
 class RunDefinition(BaseModel):
     """What a run trains: everything a request says but its metadata. Stored as the run's
     `spec`, with local paths resolved and an uploaded file's id replaced by its path."""
@@ -286,6 +384,14 @@ class RunDefinition(BaseModel):
     )
     task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
     dataset: DatasetSpec
+    method: Method = Field(
+        default_factory=SftMethod,
+        description='{"type": "sft"} (the default) or {"type": "dpo", "beta": 0.1}, as in '
+        "OpenAI's fine-tuning `method` object.",
+    )
+    lora: LoraSpec | None = Field(
+        default=None, description="Train LoRA adapters; absent for full fine-tuning."
+    )
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -304,7 +410,9 @@ class RunRequest(RunDefinition):
         extra="forbid",
         allow_inf_nan=False,
         protected_namespaces=(),
-        json_schema_extra={"examples": [GPT2_ZERO3, QWEN_AUTOTP, BERT_MRPC_ZERO3]},
+        json_schema_extra={
+            "examples": [GPT2_ZERO3, QWEN_AUTOTP, BERT_MRPC_ZERO3, QWEN_CHAT_LORA, DPO_LORA]
+        },
     )
 
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)

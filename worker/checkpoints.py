@@ -97,6 +97,8 @@ def probe_row(batch: dict[str, Any]) -> dict[str, Any]:
 class Export:
     path: str
     max_diff: float
+    # "hf": a full model `from_pretrained` loads; "adapter": a LoRA adapter for peft.
+    kind: str = "hf"
 
 
 def export_hf_model(
@@ -107,7 +109,7 @@ def export_hf_model(
     rank: int,
     probe: dict[str, Any],
     zero3_config: Any = None,
-) -> Export:
+) -> list[Export]:
     """A folder `from_pretrained` loads: config, safetensors weights and the tokenizer.
 
     Weights partitioned by ZeRO-3 or sharded by AutoTP are gathered first: every rank
@@ -144,7 +146,7 @@ def export_hf_model(
             export_check_path(spec),
         )
         log.info("exported model to %s (max |logit diff| %.3g)", out, max_diff)
-    return Export(path=str(out), max_diff=max_diff)
+    return [Export(path=str(out), max_diff=max_diff)]
 
 
 def _engine_logits(engine: Any, probe: dict[str, Any]) -> Any:

@@ -40,6 +40,9 @@ def load_tokenizer(spec: RunSpec) -> Any:
 
     with _loading(spec.model):
         tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    if spec.dataset.chat_template is not None:
+        # The request's template wins over the model's own, and is exported with it.
+        tokenizer.chat_template = spec.dataset.chat_template
     if tokenizer.pad_token_id is None:
         # Causal LMs often ship without a pad token; padding is masked out of the loss anyway.
         if tokenizer.eos_token is None:
@@ -79,7 +82,15 @@ def prepare_examples(
             seq_length=tr.seq_length,
         )
         return examples, labels
-    if ds.format == "prompt_completion":
+    if ds.format == "preference":
+        from worker.preference import tokenize_preference
+
+        return tokenize_preference(raw, tokenizer, spec=spec), None
+    if ds.format == "chat":
+        from worker.chat import tokenize_chat
+
+        examples = tokenize_chat(raw, tokenizer, spec=spec)
+    elif ds.format == "prompt_completion":
         examples = tokenize_prompt_completion(
             raw,
             tokenizer,

@@ -217,7 +217,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     )
     if spec.checkpointing.export_hf:
         probe = next(iter(data.train))
-        export = export_hf_model(
+        exports = export_hf_model(
             engine,
             training.tokenizer,
             spec,
@@ -226,13 +226,15 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             zero3_config=training.zero3_config,
         )
         if rank == 0 and sinks.client is not None:
-            sinks.client.checkpoint(
-                step=step,
-                epoch=plan.epoch_at(step),
-                path=export.path,
-                kind="hf",
-                metrics={"export_max_logit_diff": export.max_diff},
-            )
+            # The adapter first: a full model posted after it is the run's model_path.
+            for export in exports:
+                sinks.client.checkpoint(
+                    step=step,
+                    epoch=plan.epoch_at(step),
+                    path=export.path,
+                    kind=export.kind,
+                    metrics={"export_max_logit_diff": export.max_diff},
+                )
 
 
 @dataclass(slots=True)

@@ -87,7 +87,8 @@ class CheckpointPost(BaseModel):
     step: Count
     epoch: Epoch = None
     path: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(refuse_nul)]
-    kind: Literal["deepspeed", "hf"]
+    # hf: a full model export; adapter: a LoRA adapter export (peft).
+    kind: Literal["deepspeed", "hf", "adapter"]
     metrics: dict[MetricName, MetricValue] = Field(default_factory=dict)
 
 

@@ -132,9 +132,12 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
         metrics=metrics,
     )
     session.add(checkpoint)
-    if post.kind == "hf":
+    if post.kind in ("hf", "adapter"):
+        # A LoRA run exporting both posts its adapter first: the full model, posted last,
+        # is the run's model_path.
         run.model_path = post.path
-        record_event(session, run, type="export", message=f"model exported to {post.path}")
+        what = "LoRA adapter" if post.kind == "adapter" else "model"
+        record_event(session, run, type="export", message=f"{what} exported to {post.path}")
     else:
         run.latest_checkpoint = post.path
         record_event(session, run, type="checkpoint", message=f"checkpoint at step {post.step}")

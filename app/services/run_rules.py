@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.errors import field_problem
-from app.models import File
+from app.models import RUN_ID, Checkpoint, File, Run
 from app.services.model_files import trainable_model_types
 from app.settings import SourceRoots
 from contract.datasets import (
@@ -64,7 +65,10 @@ def check_run_request(
     """`allowed_roots`: where local sources may be; a `SourceRoots` also names the folders
     inside them that are refused (the service's uploads)."""
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
-    _check_model(request, checked, allowed_roots)
+    if is_run_id(request.model):
+        _check_model_from_run(session, request, checked, owner_id=owner_id)
+    else:
+        _check_model(request, checked, allowed_roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
     if not checked.problems:
         try:
@@ -118,6 +122,7 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
             value = getattr(data, name)
             if value is not None and (problem := local_split_problem(name, value)):
                 add(f"dataset.{name}", problem)
+    problems.extend(method_problems(req))
     if req.task == "sequence_classification":
         if data.label_field is None:
             add("dataset.label_field", "task sequence_classification needs dataset.label_field")
@@ -132,7 +137,83 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
     return problems
 
 
+def method_problems(req: RunRequest) -> list[Problem]:
+    """Chat and preference data, DPO and LoRA: which combinations train. (Classification
+    takes format 'text' only, which keeps chat, preference and so dpo to causal LMs.)"""
+    problems: list[Problem] = []
+    data, method = req.dataset, req.method
+
+    def add(name: str, message: str) -> None:
+        problems.append(field_problem(name, message))
+
+    if method.type == "dpo":
+        if data.format != "preference":
+            add(
+                "method.type",
+                f"dpo learns from preference pairs: it needs dataset.format 'preference', "
+                f"got {data.format!r}",
+            )
+        if req.training.packing:
+            add("training.packing", "packing does not apply to dpo: each pair is one example")
+    elif data.format == "preference":
+        add(
+            "dataset.format",
+            'format \'preference\' is for method {"type": "dpo"}; for supervised fine-tuning '
+            "use 'chat' or 'prompt_completion'",
+        )
+    if data.chat_template is not None and data.format not in ("chat", "preference"):
+        add(
+            "dataset.chat_template",
+            f"chat_template applies to formats 'chat' and 'preference', got {data.format!r}",
+        )
+    if req.lora is not None and req.deepspeed.tensor_parallel_size > 1:
+        add("lora", LORA_WITH_AUTOTP)
+    return problems
+
+
+LORA_WITH_AUTOTP = (
+    "LoRA does not combine with deepspeed.tensor_parallel_size > 1: DeepSpeed's AutoTP "
+    "shards the model's Linear layers by name, and peft wraps them (q_proj becomes "
+    "q_proj.base_layer beside lora_A/lora_B), so they would not be sharded as a whole; "
+    "use ZeRO (stages 0-3, with offload if memory is short) to spread a LoRA run"
+)
+
+
 # -- the model ----------------------------------------------------------------------------
+
+
+def is_run_id(value: str) -> bool:
+    return RUN_ID.fullmatch(value) is not None
+
+
+def _check_model_from_run(
+    session: Session, request: RunRequest, checked: CheckedRequest, *, owner_id: str
+) -> None:
+    """`model` names one of the caller's earlier runs: train from its exported full model
+    (a DPO run after an SFT run, say). The path is the service's own, so no root applies."""
+    run = session.get(Run, request.model)
+    if run is None or run.owner_id != owner_id:
+        checked.problems.append(field_problem("model", f"no run {request.model!r}"))
+        return
+    exported = session.scalars(
+        select(Checkpoint.path)
+        .where(Checkpoint.run_id == run.id, Checkpoint.kind == "hf")
+        .order_by(Checkpoint.id.desc())
+        .limit(1)
+    ).first()
+    if exported is None:
+        adapter_only = session.scalars(
+            select(Checkpoint.id).where(Checkpoint.run_id == run.id, Checkpoint.kind == "adapter")
+        ).first()
+        why = (
+            "exported only a LoRA adapter: start from a full model, i.e. a run with "
+            "lora.export 'merged' or 'both'"
+            if adapter_only is not None
+            else f"has no exported model (status {run.status!r}; export_hf may be off)"
+        )
+        checked.problems.append(field_problem("model", f"run {run.id} {why}"))
+        return
+    _read_model_config(Path(exported), request, checked)
 
 
 def _check_model(request: RunRequest, checked: CheckedRequest, roots: Sequence[Path]) -> None:
@@ -144,11 +225,16 @@ def _check_model(request: RunRequest, checked: CheckedRequest, roots: Sequence[P
         checked.problems.append(field_problem("model", message))
         return
     assert path is not None
+    _read_model_config(path, request, checked)
+
+
+def _read_model_config(path: Path, request: RunRequest, checked: CheckedRequest) -> None:
     config_file = path / "config.json"
     if not config_file.is_file():
         checked.problems.append(
             field_problem(
-                "model", f"local model {value!r} has no config.json: give a save_pretrained folder"
+                "model",
+                f"local model {request.model!r} has no config.json: give a save_pretrained folder",
             )
         )
         return

@@ -1,0 +1,216 @@
+"""Chat and preference data, DPO and LoRA in the run request: which combinations the service
+accepts, the 422s that name the field and the rule with nothing stored, and `model` naming an
+earlier run (a DPO run after an SFT run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.models import Run
+from tests.factories import run_request
+
+
+def _problems(client: TestClient, auth: dict[str, str], body: dict[str, Any]) -> dict[str, str]:
+    r = client.post("/v1/runs/validate", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    return {e["field"]: e["message"] for e in r.json()["errors"]}
+
+
+def _runs(session_factory: sessionmaker[Session]) -> int:
+    with session_factory() as session:
+        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+def _preference_file(root: Path) -> Path:
+    path = root / "pairs.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+        + "\n"
+        + json.dumps({"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Rome"})
+        + "\n"
+    )
+    return path
+
+
+class TestCombinations:
+    def test_dpo_needs_preference_data(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = run_request(tmp_path, method={"type": "dpo", "beta": 0.1})
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 422, r.text
+        fields = {e["field"]: e["message"] for e in r.json()["detail"]}
+        assert "needs dataset.format 'preference'" in fields["method.type"]
+        assert _runs(session_factory) == 0
+
+    def test_preference_data_needs_dpo(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path, dataset={"source": str(_preference_file(tmp_path)), "format": "preference"}
+        )
+        assert "dpo" in _problems(client, auth, body)["dataset.format"]
+
+    def test_a_dpo_run_on_preference_pairs_is_valid(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path,
+            dataset={"source": str(_preference_file(tmp_path)), "format": "preference"},
+            method={"type": "dpo", "beta": 0.2},
+            lora={"r": 4, "alpha": 8},
+        )
+        assert _problems(client, auth, body) == {}
+
+    def test_dpo_does_not_pack(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path,
+            dataset={"source": str(_preference_file(tmp_path)), "format": "preference"},
+            method={"type": "dpo"},
+            training={"packing": True},
+        )
+        assert "pair" in _problems(client, auth, body)["training.packing"]
+
+    def test_chat_is_for_causal_lm(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path,
+            task="sequence_classification",
+            dataset={"format": "chat", "label_field": "label"},
+        )
+        assert "takes format 'text'" in _problems(client, auth, body)["dataset.format"]
+
+    def test_a_chat_template_needs_chat_data(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(tmp_path, dataset={"chat_template": "{{ messages }}"})
+        assert (
+            "formats 'chat' and 'preference'"
+            in _problems(client, auth, body)["dataset.chat_template"]
+        )
+
+    def test_lora_with_autotp_is_refused_with_the_reason(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path, lora={"r": 8}, deepspeed={"zero_stage": 1, "tensor_parallel_size": 2}
+        )
+        assert "AutoTP" in _problems(client, auth, body)["lora"]
+
+
+class TestSchema:
+    @pytest.mark.parametrize(
+        ("change", "field"),
+        [
+            ({"lora": {"r": 0}}, "lora.r"),
+            ({"lora": {"r": -4}}, "lora.r"),
+            ({"lora": {"alpha": 0}}, "lora.alpha"),
+            ({"lora": {"dropout": 1.0}}, "lora.dropout"),
+            ({"lora": {"target_modules": []}}, "lora.target_modules"),
+            ({"lora": {"target_modules": ["q_proj\n"]}}, "lora.target_modules.list.0"),
+            ({"lora": {"target_modules": "all"}}, "lora.target_modules.name"),
+            ({"lora": {"export": "gguf"}}, "lora.export"),
+            ({"lora": {"rank": 8}}, "lora.rank"),
+            ({"method": {"type": "ppo"}}, "method"),
+            ({"method": {"type": "dpo", "beta": 0}}, "method.dpo.beta"),
+            ({"method": {"type": "sft", "beta": 0.1}}, "method.sft.beta"),
+            ({"dataset": {"format": "sharegpt"}}, "dataset.format"),
+        ],
+    )
+    def test_bad_fields_are_422_naming_the_field_with_nothing_stored(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        change: dict[str, Any],
+        field: str,
+    ) -> None:
+        body = run_request(tmp_path, **change)
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 422, r.text
+        fields = [e["field"] for e in r.json()["detail"]]
+        assert any(f.startswith(field) for f in fields), fields
+        assert _runs(session_factory) == 0
+
+
+class TestModelFromARun:
+    def _export(
+        self,
+        client: TestClient,
+        worker: dict[str, str],
+        run_id: str,
+        path: Path,
+        kind: str,
+    ) -> None:
+        body = {"attempt": 1, "step": 5, "path": str(path), "kind": kind}
+        r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
+        assert r.status_code == 200, r.text
+
+    def test_a_run_with_a_full_export_is_the_model(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        started: tuple[str, dict[str, str]],
+    ) -> None:
+        run_id, worker = started
+        export = tmp_path / "exported"
+        export.mkdir()
+        (export / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
+        self._export(client, worker, run_id, tmp_path / "adapter", "adapter")
+        self._export(client, worker, run_id, export, "hf")
+
+        body = run_request(tmp_path, model=run_id)
+        # The export's own config is read: its 16 positions are too few for seq_length 32.
+        assert "maximum positions (16)" in _problems(client, auth, body)["training.seq_length"]
+        body["training"]["seq_length"] = 16
+        created = client.post("/v1/runs", json=body, headers=auth)
+        assert created.status_code == 201, created.text
+        assert created.json()["spec"]["model"] == str(export)
+
+    def test_a_run_with_only_an_adapter_is_refused_with_the_reason(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        started: tuple[str, dict[str, str]],
+    ) -> None:
+        run_id, worker = started
+        self._export(client, worker, run_id, tmp_path / "adapter", "adapter")
+        message = _problems(client, auth, run_request(tmp_path, model=run_id))["model"]
+        assert "only a LoRA adapter" in message and "'merged' or 'both'" in message
+
+    def test_a_run_without_an_export_or_of_another_owner_is_refused(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        started: tuple[str, dict[str, str]],
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        run_id, _ = started
+        assert (
+            "has no exported model"
+            in _problems(client, auth, run_request(tmp_path, model=run_id))["model"]
+        )
+        from tests.conftest import make_api_key
+
+        other = {"Authorization": f"Bearer {make_api_key(session_factory, 'team-b')}"}
+        assert _problems(client, other, run_request(tmp_path, model=run_id))["model"] == (
+            f"no run {run_id!r}"
+        )
