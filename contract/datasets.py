@@ -13,7 +13,7 @@ from contract.run_request import LOCAL_SOURCE_PREFIXES, DatasetSpec
 FILE_ID_PREFIX = "file_"
 
 # What an uploaded file is checked for; each matches a (task, dataset.format) pair.
-Purpose = Literal["text", "prompt_completion", "sequence_classification"]
+Purpose = Literal["text", "prompt_completion", "sequence_classification", "chat", "preference"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,12 @@ class RequiredField(NamedTuple):
 def purpose_of(task: str, dataset_format: str) -> Purpose:
     if task == "sequence_classification":
         return "sequence_classification"
-    return "prompt_completion" if dataset_format == "prompt_completion" else "text"
+    by_format: dict[str, Purpose] = {
+        "prompt_completion": "prompt_completion",
+        "chat": "chat",
+        "preference": "preference",
+    }
+    return by_format.get(dataset_format, "text")
 
 
 def required_fields(
@@ -75,8 +80,19 @@ def required_fields(
     completion_field: str = "completion",
     label_field: str = "label",
     text_pair_field: str | None = None,
+    messages_field: str = "messages",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
 ) -> list[RequiredField]:
     """Every record field a run (or an upload for that purpose) reads."""
+    if purpose == "chat":
+        return [RequiredField(messages_field, "dataset.messages_field")]
+    if purpose == "preference":
+        return [
+            RequiredField(prompt_field, "dataset.prompt_field"),
+            RequiredField(chosen_field, "dataset.chosen_field"),
+            RequiredField(rejected_field, "dataset.rejected_field"),
+        ]
     if purpose == "prompt_completion":
         return [
             RequiredField(prompt_field, "dataset.prompt_field"),
@@ -98,4 +114,7 @@ def fields_read_by(task: str, dataset: DatasetSpec) -> list[RequiredField]:
         completion_field=dataset.completion_field,
         label_field=dataset.label_field or "label",
         text_pair_field=dataset.text_pair_field,
+        messages_field=dataset.messages_field,
+        chosen_field=dataset.chosen_field,
+        rejected_field=dataset.rejected_field,
     )

@@ -116,26 +116,23 @@ def export_hf_model(
     joins and rank 0 receives full tensors (`save_pretrained` of the module would write
     rank 0's shard only). Then rank 0 loads the export back and checks that its logits on
     a probe batch equal the trained engine's, so a broken export fails the run instead of
-    reaching a user.
+    reaching a user. A LoRA run exports by `lora.export`: the adapter (peft's folder), the
+    merged model, or both (the adapter in `adapter/`, the merged model beside it).
     """
     import torch
 
-    out = export_dir(spec)
     probe = probe_row(probe)
     engine_logits = _engine_logits(engine, probe)
     if spec.deepspeed.zero_stage == 3 or spec.deepspeed.tensor_parallel_size > 1:
         state = engine._consolidated_16bit_state_dict()
     else:
         state = engine.module.state_dict() if rank == 0 else None
-    max_diff = 0.0
+    exports: list[Export] = []
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(out)
         from worker.model_setup import loading_whole
 
         with loading_whole(zero3_config):
-            max_diff = _verify_export(out, spec, probe, engine_logits)
+            exports = _write_exports(engine, tokenizer, spec, state, probe, engine_logits)
         top = engine_logits.topk(min(PROBE_TOP_K, engine_logits.shape[-1]), dim=-1)
         torch.save(
             {
@@ -145,8 +142,54 @@ def export_hf_model(
             },
             export_check_path(spec),
         )
-        log.info("exported model to %s (max |logit diff| %.3g)", out, max_diff)
-    return [Export(path=str(out), max_diff=max_diff)]
+        for export in exports:
+            log.info(
+                "exported %s to %s (max |logit diff| %.3g)",
+                export.kind,
+                export.path,
+                export.max_diff,
+            )
+    return exports
+
+
+def _shown(export: Export) -> tuple[str, str, float]:
+    return export.kind, export.path, export.max_diff
+
+
+def _write_exports(
+    engine: Any,
+    tokenizer: Any,
+    spec: RunSpec,
+    state: dict[str, Any] | None,
+    probe: dict[str, Any],
+    engine_logits: Any,
+) -> list[Export]:
+    """Rank 0: each folder the run asks for, each checked against the engine's logits;
+    for `both`, the adapter first (the last one becomes the run's model_path)."""
+    out = export_dir(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.lora is None:
+        engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        return [Export(str(out), _verify_export(out, spec, probe, engine_logits))]
+    from worker.lora import merged_model, save_adapter
+
+    assert state is not None
+    exports = []
+    if spec.lora.export in ("adapter", "both"):
+        folder = out / "adapter" if spec.lora.export == "both" else out
+        save_adapter(engine.module, state, folder, spec=spec)
+        tokenizer.save_pretrained(folder)
+        diff = _verify_export(folder, spec, probe, engine_logits, adapter_of=engine.module)
+        exports.append(Export(str(folder), diff, kind="adapter"))
+    if spec.lora.export in ("merged", "both"):
+        dtype = next(iter(state.values())).dtype
+        merged_model(engine.module, state, spec, dtype=dtype).save_pretrained(
+            out, safe_serialization=True
+        )
+        tokenizer.save_pretrained(out)
+        exports.append(Export(str(out), _verify_export(out, spec, probe, engine_logits)))
+    return exports
 
 
 def _engine_logits(engine: Any, probe: dict[str, Any]) -> Any:
@@ -162,7 +205,17 @@ def _engine_logits(engine: Any, probe: dict[str, Any]) -> Any:
     return logits
 
 
-def _verify_export(out: Path, spec: RunSpec, probe: dict[str, Any], expected: Any) -> float:
+def _verify_export(
+    out: Path,
+    spec: RunSpec,
+    probe: dict[str, Any],
+    expected: Any,
+    *,
+    adapter_of: Any = None,
+) -> float:
+    """The largest logit difference between the export, loaded as a user would, and the
+    engine; raises beyond rounding. An adapter loads onto a fresh base from the run's
+    model, in the dtype the adapter was trained in."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -171,7 +224,11 @@ def _verify_export(out: Path, spec: RunSpec, probe: dict[str, Any], expected: An
         if spec.task == "sequence_classification"
         else AutoModelForCausalLM
     )
-    model = auto.from_pretrained(out).eval()
+    if adapter_of is not None:
+        base_config = adapter_of.get_base_model().config
+        model = _adapter_model(out, spec, auto, base_config).eval()
+    else:
+        model = auto.from_pretrained(out).eval()
     with torch.no_grad():
         batch = {k: v.cpu() for k, v in probe.items() if k != "labels"}
         logits = model(**batch).logits.float()
@@ -195,3 +252,18 @@ def _verify_export(out: Path, spec: RunSpec, probe: dict[str, Any], expected: An
             f"engine's by up to {diff:.3g} (tolerance {tolerance * scale:.3g})"
         )
     return diff
+
+
+def _adapter_model(out: Path, spec: RunSpec, auto: Any, base_config: Any) -> Any:
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
+    import torch
+
+    torch_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+    # The trained base's config: a classification head is sized by the run's labels (its
+    # weights come with the adapter, as peft's modules_to_save), not by the checkpoint.
+    base = auto.from_pretrained(spec.model, config=base_config, dtype=torch_dtype)
+    return PeftModel.from_pretrained(base, out, autocast_adapter_dtype=False)

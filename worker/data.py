@@ -103,7 +103,11 @@ def _pad_inputs(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, torc
 
 @dataclass(slots=True)
 class CausalLMCollator:
-    """Pads to the longest sequence in the batch, not to seq_length; padding carries no loss."""
+    """Pads to the longest sequence in the batch, not to seq_length; padding carries no loss.
+
+    Packed rows (from pack_sequences) bring their `position_ids`, which restart at 0 with
+    each example; pass the batch through `model_inputs` to the model so that it reads them.
+    """
 
     pad_token_id: int
 
@@ -113,8 +117,59 @@ class CausalLMCollator:
         # equal eos and eos is a real target. Rows with their own labels
         # (prompt_completion) already mask the prompt.
         targets = [r.get("labels", r["input_ids"]) for r in rows]
-        batch["labels"] = _pad_right(targets, IGNORE_INDEX, batch["input_ids"].shape[1])
+        longest = batch["input_ids"].shape[1]
+        batch["labels"] = _pad_right(targets, IGNORE_INDEX, longest)
+        if "position_ids" in rows[0]:
+            # Packed blocks are all seq_length long; should one be shorter, each pad is a
+            # one-token sequence of its own (position 0) and no real token attends to it.
+            batch["position_ids"] = _pad_right([r["position_ids"] for r in rows], 0, longest)
         return batch
+
+
+def model_inputs(batch: dict[str, Any], *, one_row: bool = False) -> dict[str, Any]:
+    """The forward's keyword arguments for a collated batch.
+
+    A packed batch goes without its attention_mask (all ones: a block has no padding; it
+    stays in the batch for counting tokens) and with `use_cache=False`. transformers 5
+    (masking_utils `_preprocess_mask_arguments`) reads packed examples from restarting
+    position ids only when the attention mask is None and there is no cache, and Llama,
+    GPT-2 and the like create an empty cache in forward whenever `use_cache` is on (the
+    config's default). With either left in, examples would attend to one another while
+    their positions restart.
+
+    `one_row` (see `packs_in_one_row`) lays the blocks end to end as one row, each block's
+    first label ignored (the row before it must not predict it): the same targets and the
+    same loss, in the only layout flash-attention reads packed examples from.
+    """
+    if "position_ids" not in batch:
+        return batch
+    inputs = {k: v for k, v in batch.items() if k != "attention_mask"}
+    inputs["use_cache"] = False
+    if one_row:
+        labels = inputs["labels"].clone()
+        labels[:, 0] = IGNORE_INDEX
+        inputs["labels"] = labels
+        for key in ("input_ids", "labels", "position_ids"):
+            inputs[key] = inputs[key].reshape(1, -1)
+    return inputs
+
+
+def packs_in_one_row(attn_implementation: str | None) -> bool:
+    """Whether packed blocks must reach the model as one row (`model_inputs(one_row=True)`).
+
+    flash-attention (2, 3, 4 and hub kernels) finds packed examples from position ids only
+    in a batch of one row (transformers 5 modeling_flash_attention_utils
+    `_is_packed_sequence`); with more rows it attends across examples. sdpa, eager and
+    flex build a mask per row, where one long row would cost a mask and attention work as
+    many times larger as there are rows, so they keep the rows.
+    """
+    return "flash" in (attn_implementation or "")
+
+
+def tokens_in(batch: dict[str, Any]) -> int:
+    """Input tokens a batch trains on, padding left out."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
 
 
 @dataclass(slots=True)
@@ -162,25 +217,37 @@ def tokenize_prompt_completion(
 def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None) -> Any:
     """Concatenate examples (eos between them) and cut full `seq_length` blocks: no padding.
 
-    Labels travel with their tokens, so packed prompt_completion data still masks prompts.
+    Each example keeps its own positions, restarting at 0 in `position_ids`, so a model fed
+    through `model_inputs` attends within each example only, and its first token is no
+    target (alone, nothing before it predicts it): a block's loss is its examples' losses
+    as if each were alone, as transformers' DataCollatorWithFlattening makes it. Labels
+    travel with their tokens, so packed prompt_completion and chat data still mask prompts.
     The last partial block is dropped, as in the Hugging Face language-modeling examples.
     """
 
     def pack(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
         ids: list[int] = []
         labels: list[int] = []
+        positions: list[int] = []
         has_labels = "labels" in batch
         for i, row in enumerate(batch["input_ids"]):
-            row_labels = batch["labels"][i] if has_labels else row
-            ids.extend(row)
+            row_ids = list(row)
+            row_labels = list(batch["labels"][i] if has_labels else row)
+            if eos_token_id is not None and (not row_ids or row_ids[-1] != eos_token_id):
+                row_ids.append(eos_token_id)
+                row_labels.append(eos_token_id)
+            if row_labels:
+                row_labels[0] = IGNORE_INDEX
+            ids.extend(row_ids)
             labels.extend(row_labels)
-            if eos_token_id is not None and (not row or row[-1] != eos_token_id):
-                ids.append(eos_token_id)
-                labels.append(eos_token_id)
-        blocks = len(ids) // seq_length
+            positions.extend(range(len(row_ids)))
+        blocks = range(len(ids) // seq_length)
         return {
-            "input_ids": [ids[b * seq_length : (b + 1) * seq_length] for b in range(blocks)],
-            "labels": [labels[b * seq_length : (b + 1) * seq_length] for b in range(blocks)],
+            "input_ids": [ids[b * seq_length : (b + 1) * seq_length] for b in blocks],
+            "labels": [labels[b * seq_length : (b + 1) * seq_length] for b in blocks],
+            "position_ids": [
+                _from_zero(positions[b * seq_length : (b + 1) * seq_length]) for b in blocks
+            ],
         }
 
     # Large map batches keep the dropped remainder small.
@@ -192,6 +259,20 @@ def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None)
     if len(packed) == 0:
         raise ValueError(f"the dataset holds fewer than seq_length ({seq_length}) tokens to pack")
     return packed
+
+
+def _from_zero(positions: list[int]) -> list[int]:
+    """A block's positions with the example cut at its start counted from 0 there too.
+
+    flash-attention's varlen path (modeling_flash_attention_utils) takes every position 0
+    as a sequence start, so each sequence must start at 0; it also keeps every position
+    below seq_length, within a model's learned position embeddings (GPT-2's `wpe`).
+    """
+    offset = positions[0]
+    if offset == 0:
+        return positions
+    restart = positions.index(0) if 0 in positions else len(positions)
+    return [p - offset for p in positions[:restart]] + positions[restart:]
 
 
 def label_ids(dataset: Any, label_field: str) -> list[Any]:

@@ -2,7 +2,9 @@
 
 Every rank evaluates its shard; sums are all-reduced, so the numbers are over the whole
 split: the loss is the mean over every target of the split (tokens, or examples for
-classification), as a training step's is (worker/step_loss.py).
+classification), as a training step's is (worker/step_loss.py). With method dpo: the DPO
+loss, the mean over the split's pairs, and TRL's pair metrics (`eval_rewards/...`,
+`eval_logps/...`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,25 @@ from worker.step_loss import targets_in
 
 
 def evaluate(
-    engine: Any, loader: Any, *, task: str, num_labels: int, group: Any = None
+    engine: Any,
+    loader: Any,
+    *,
+    task: str,
+    num_labels: int,
+    group: Any = None,
+    method: Any = None,
+    reference: Any = None,
 ) -> dict[str, float]:
-    """`group`: the process group to sum over (worker.host_group's); None is the default."""
+    """`group`: the process group to sum over (worker.host_group's); None is the default.
+    `method`: the run's (spec.method); for dpo, `reference` is worker.dpo's."""
     import torch
     import torch.distributed as dist
 
     device = next(engine.module.parameters()).device
+    if method is not None and method.type == "dpo":
+        return _evaluate_dpo(
+            engine, loader, device=device, group=group, beta=method.beta, reference=reference
+        )
     engine.eval()
     # loss sum, its weight, correct, count; then per class: true pos., false pos., false neg.
     # Summed on the device and copied to the host once: no sync per batch on a GPU.
@@ -60,6 +74,47 @@ def evaluate(
     f1 = [_f1(float(t), float(p), float(n)) for t, p, n in zip(tp, fp, fn, strict=True)]
     # Binary tasks (MRPC and the like) report F1 of the positive class, as GLUE does.
     metrics["eval_f1"] = f1[1] if num_labels == 2 else sum(f1) / num_labels
+    return metrics
+
+
+def _evaluate_dpo(
+    engine: Any, loader: Any, *, device: Any, group: Any, beta: float, reference: Any
+) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from worker.dpo import PAIR_METRICS, dpo_forward
+
+    engine.eval()
+    # loss sum, pairs, then the pair metrics' sums; on the device, copied to the host once.
+    totals = torch.zeros(2 + len(PAIR_METRICS), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for batch, real in zip(loader, _real_rows(loader), strict=False):
+            rows = batch["labels"].shape[0] // 2  # pairs in the batch, repeats included
+            if real < rows:
+                # Pairs the sampler repeated: both rows out (chosen rows first, then rejected).
+                batch = {**batch, "labels": batch["labels"].clone()}
+                batch["labels"][real:rows] = IGNORE_INDEX
+                batch["labels"][rows + real :] = IGNORE_INDEX
+            pairs = targets_in(batch, task="causal_lm", method="dpo")
+            # Every rank runs both forwards, repeats included: under ZeRO-3 they are collective.
+            out = dpo_forward(
+                engine,
+                {k: v.to(device, non_blocking=True) for k, v in batch.items()},
+                reference=reference,
+                beta=beta,
+            )
+            totals[0] += out.mean_loss.double() * pairs
+            totals[1] += pairs
+            totals[2:] += out.sums
+    engine.train()
+    totals = totals.cpu()
+    if dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+    counted = max(float(totals[1]), 1.0)
+    metrics = {"eval_loss": float(totals[0]) / counted}
+    for name, value in zip(PAIR_METRICS, totals[2:], strict=True):
+        metrics[f"eval_{name}"] = float(value) / counted
     return metrics
 
 

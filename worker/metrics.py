@@ -83,15 +83,17 @@ class MetricSinks:
             local["grad_norm"] = float(grad_norm)
         if torch.cuda.is_available():
             local["gpu_memory_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
-        # One all-reduce for all three: each rank holds its part of the step's mean loss
-        # (worker/step_loss.py), so their sum is the step's loss over every rank.
-        totals = torch.stack(
-            [
-                result.loss.to(torch.float64).cpu(),
-                torch.tensor(float(result.tokens), dtype=torch.float64),
-                torch.tensor(float(result.samples), dtype=torch.float64),
-            ]
-        )
+        # One all-reduce for all: each rank holds its part of the step's mean loss
+        # (worker/step_loss.py), so their sum is the step's loss over every rank. DPO adds
+        # its pairs' metric sums and pair count (every rank of a run has them, or none does).
+        parts = [
+            result.loss.to(torch.float64).cpu().reshape(1),
+            torch.tensor([float(result.tokens), float(result.samples)], dtype=torch.float64),
+        ]
+        if result.pair_sums is not None:
+            parts.append(result.pair_sums.to(torch.float64).cpu())
+            parts.append(torch.tensor([float(result.pairs)], dtype=torch.float64))
+        totals = torch.cat(parts)
         self._complete_pending()
         work = None
         if dist.is_initialized():
@@ -117,6 +119,7 @@ class MetricSinks:
             "loss": float(totals[0]) / tp,
             "tokens_per_second": float(totals[1]) / tp / elapsed,
             "samples_per_second": float(totals[2]) / tp / elapsed,
+            **_pair_means(totals[3:]),
             **pending.local,
         }
         self._latest = metrics
@@ -154,6 +157,18 @@ class MetricSinks:
             self.sender.close()
         if self.client is not None:
             self.client.close()
+
+
+def _pair_means(sums: Any) -> dict[str, float]:
+    """DPO's pair metrics (worker.dpo.PAIR_METRICS, then the pair count), the means over
+    the step's pairs on every rank (tensor-parallel repeats cancel out of the ratio);
+    nothing for other methods."""
+    if len(sums) == 0:
+        return {}
+    from worker.dpo import PAIR_METRICS
+
+    pairs = max(float(sums[-1]), 1.0)
+    return {name: float(value) / pairs for name, value in zip(PAIR_METRICS, sums[:-1], strict=True)}
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from worker.data import (
     tokenize_dataset,
     tokenize_prompt_completion,
 )
+from worker.lora import apply_lora
 from worker.sources import refuse_shadowed_hub_id
 
 log = logging.getLogger("tuneyard.worker")
@@ -255,6 +256,7 @@ def build_model(
     if spec.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    model = apply_lora(model, spec)
     return LoadedModel(module=model, zero3_config=zero3_config)
 
 

@@ -5,9 +5,10 @@ divided by the number of targets in the whole step: across its gradient-accumula
 micro-batches and its data-parallel ranks, with the ranks of a tensor-parallel group (which
 see the same batch) counted once. A target is a next-token label for a causal LM (Hugging
 Face models shift the labels inside the model, so `labels[:, 1:] != -100`) and an example
-for classification. This is what Hugging Face's Trainer computes since transformers 4.46,
-so that changing `num_workers` or `gradient_accumulation_steps` changes speed and memory,
-not the mathematics: a short row no longer weighs as much as a long one.
+for classification. For DPO a target is a preference pair (worker/dpo.py: its micro-batch
+loss is the mean of its pairs' losses). This is what Hugging Face's Trainer computes since
+transformers 4.46, so that changing `num_workers` or `gradient_accumulation_steps` changes
+speed and memory, not the mathematics: a short row no longer weighs as much as a long one.
 
 DeepSpeed, left alone, averages instead: `engine.backward` divides each micro-batch's loss
 by gradient_accumulation_steps, and every ZeRO stage averages gradients over the
@@ -29,9 +30,14 @@ from typing import Any
 from worker.data import IGNORE_INDEX
 
 
-def targets_in(batch: dict[str, Any], *, task: str) -> int:
-    """The targets of one micro-batch (evaluation marks rows to leave out as ignored)."""
+def targets_in(batch: dict[str, Any], *, task: str, method: str = "sft") -> int:
+    """The targets of one micro-batch (evaluation marks rows to leave out as ignored);
+    `method` "dpo": its pairs (worker/preference.py's batches: chosen rows, then rejected)."""
     labels = batch["labels"]
+    if method == "dpo":
+        from worker.dpo import valid_pairs
+
+        return int(valid_pairs(labels).sum())
     if task == "sequence_classification":
         return int((labels != IGNORE_INDEX).sum())
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -93,6 +93,7 @@ class Training:
     plan: StepPlan
     device: Any
     zero3_config: Any = None  # kept alive for transformers (worker.model_setup.LoadedModel)
+    reference: Any = None  # method dpo: what the policy is compared with (worker/dpo.py)
 
 
 def build_training(spec: RunSpec, *, rank: int) -> Training:
@@ -122,17 +123,25 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     ds_config = resolve_deepspeed_config(
         spec, bf16_supported=bf16_ok, hidden_size=model_hidden_size(spec)
     )
-    loaded = build_model(
-        spec,
-        tokenizer,
-        data.labels,
-        ds_config=ds_config,
-        precision=resolve_precision(spec, bf16_supported=bf16_ok),
-    )
+    precision = resolve_precision(spec, bf16_supported=bf16_ok)
+    loaded = build_model(spec, tokenizer, data.labels, ds_config=ds_config, precision=precision)
+    if spec.method.type == "dpo":
+        from worker.dpo import disable_dropout
+
+        disable_dropout(loaded.module)
     optimizer, scheduler = build_optimizer(spec, loaded.module, total_steps=plan.total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=loaded.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
+    reference = None
+    if spec.method.type == "dpo":
+        from worker.dpo import build_reference
+
+        # After the policy on every rank, in the same order: under ZeRO-3 loading the
+        # copy is collective.
+        reference = build_reference(
+            spec, tokenizer, engine=engine, ds_config=ds_config, precision=precision
+        )
     return Training(
         engine=engine,
         tokenizer=tokenizer,
@@ -140,6 +149,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         plan=plan,
         device=device,
         zero3_config=loaded.zero3_config,
+        reference=reference,
     )
 
 
@@ -177,6 +187,8 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
                 task=spec.task,
                 num_labels=len(data.labels or []) or 1,
                 group=sinks.group,
+                method=spec.method,
+                reference=training.reference,
             )
             sinks.log_eval(metrics, step=at)
 
@@ -189,7 +201,14 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             # idle device. Other steps never wait for it.
             _synchronize(training.device)
         started = time.perf_counter()
-        result = train_step(engine, batches, spec=spec, device=training.device, group=sinks.group)
+        result = train_step(
+            engine,
+            batches,
+            spec=spec,
+            device=training.device,
+            group=sinks.group,
+            reference=training.reference,
+        )
         step += 1
         if logged:
             _synchronize(training.device)
@@ -242,6 +261,10 @@ class StepResult:
     loss: Any  # this rank's part of the step's mean loss (a tensor: no sync here)
     tokens: int  # input tokens this rank trained on
     samples: int
+    # Method dpo: this rank's sums of worker.dpo.PAIR_METRICS over its pairs (a float64
+    # tensor), and how many pairs; metrics.py averages them over the step's pairs.
+    pair_sums: Any = None
+    pairs: int = 0
 
 
 def train_step(
@@ -251,24 +274,41 @@ def train_step(
     spec: RunSpec,
     device: Any,
     group: Any,
+    reference: Any = None,
 ) -> StepResult:
     """One optimizer step over `gradient_accumulation_steps` micro-batches, its loss the
-    mean over all the step's targets on every rank (worker/step_loss.py)."""
+    mean over all the step's targets on every rank (worker/step_loss.py); for method dpo
+    the targets are pairs, scored against `reference` (worker/dpo.py)."""
     import torch
 
     from worker import step_loss
 
+    method = spec.method
     micro_batches = [next(batches) for _ in range(spec.training.gradient_accumulation_steps)]
-    counts = [step_loss.targets_in(b, task=spec.task) for b in micro_batches]
+    counts = [step_loss.targets_in(b, task=spec.task, method=method.type) for b in micro_batches]
     total = step_loss.step_targets(
         sum(counts), group=group, tensor_parallel_size=spec.deepspeed.tensor_parallel_size
     )
     result = StepResult(loss=torch.zeros((), device=device), tokens=0, samples=0)
+    if method.type == "dpo":
+        from worker.dpo import PAIR_METRICS
+
+        result.pair_sums = torch.zeros(len(PAIR_METRICS), dtype=torch.float64, device=device)
     for batch, targets in zip(micro_batches, counts, strict=True):
         result.tokens += int(batch["attention_mask"].sum())
-        result.samples += batch["input_ids"].shape[0]
-        out = engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
-        share = step_loss.step_share(out.loss, targets=targets, step_targets=total)
+        on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if method.type == "dpo":
+            from worker.dpo import dpo_forward
+
+            result.samples += batch["input_ids"].shape[0] // 2
+            dpo = dpo_forward(engine, on_device, reference=reference, beta=method.beta)
+            mean_loss = dpo.mean_loss
+            result.pair_sums += dpo.sums
+            result.pairs += targets
+        else:
+            result.samples += batch["input_ids"].shape[0]
+            mean_loss = engine(**on_device).loss
+        share = step_loss.step_share(mean_loss, targets=targets, step_targets=total)
         step_loss.backward(engine, share, data_parallel_size=spec.data_parallel_size)
         engine.step()
         result.loss += share.detach().float()

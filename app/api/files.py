@@ -18,7 +18,8 @@ from app.schemas.errors import error_responses
 from app.schemas.file_view import FileView
 from app.schemas.security_schemes import api_key
 from app.services import files
-from contract.datasets import Purpose, required_fields
+from app.services.file_checks import checks_for
+from contract.datasets import Purpose
 
 router = APIRouter(
     prefix="/v1/files",
@@ -39,7 +40,10 @@ T = TypeVar("T")
     summary="Upload a dataset file",
     description=(
         "Every record is parsed and checked for the fields its `purpose` needs before the "
-        "file is stored; use the returned id as a run's `dataset.source`."
+        "file is stored; use the returned id as a run's `dataset.source`. Purposes match "
+        "a run's task and dataset.format: text, prompt_completion, sequence_classification, "
+        "chat (OpenAI-style `messages`, .jsonl or .parquet) and preference (`prompt`, "
+        "`chosen`, `rejected`)."
     ),
     responses=error_responses(
         {
@@ -61,16 +65,22 @@ async def upload_file(
     label_field: Annotated[str, Form(min_length=1)] = "label",
     prompt_field: Annotated[str, Form(min_length=1)] = "prompt",
     completion_field: Annotated[str, Form(min_length=1)] = "completion",
+    messages_field: Annotated[str, Form(min_length=1)] = "messages",
+    chosen_field: Annotated[str, Form(min_length=1)] = "chosen",
+    rejected_field: Annotated[str, Form(min_length=1)] = "rejected",
 ) -> FileView:
     # No SessionDep: its write transaction (and on SQLite the one writer's lock) would be
     # held while the file is copied and checked. Only the insert runs in a transaction.
-    required = required_fields(
+    checks = checks_for(
         purpose,
         text_field=text_field,
+        text_pair_field=text_pair_field,
+        label_field=label_field,
         prompt_field=prompt_field,
         completion_field=completion_field,
-        label_field=label_field,
-        text_pair_field=text_pair_field,
+        messages_field=messages_field,
+        chosen_field=chosen_field,
+        rejected_field=rejected_field,
     )
     state = app_state(request)
     storage_dir = settings.uploads_dir
@@ -86,8 +96,7 @@ async def upload_file(
             stream=file.file,
             storage_dir=storage_dir,
             max_bytes=settings.max_upload_bytes,
-            required=[f.name for f in required],
-            label_field=label_field if purpose == "sequence_classification" else None,
+            checks=checks,
         )
     )
     # Shielded: a cancellation between the commit and the rename would leave the row

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from contract.datasets import Purpose, required_fields
+from contract.records import chat_record_problem, preference_record_problem
 
 # Enough to show the pattern of what is wrong without flooding the response.
 MAX_REPORTED_ERRORS = 20
@@ -38,19 +42,79 @@ class FileReport:
             self.more_errors += 1
 
 
-def check_file(path: Path, *, fmt: str, required: list[str], label_field: str | None) -> FileReport:
-    """Parse every record; each needs the `required` fields, non-empty (labels may be numbers)."""
+RecordProblem = Callable[[dict[str, Any]], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordChecks:
+    """What every record of an upload is checked for."""
+
+    # Fields that must hold non-empty text (the label field: an integer or a string).
+    required: list[str] = field(default_factory=list)
+    label_field: str | None = None
+    # A purpose's rule for the whole record (chat, preference), whose fields hold lists and
+    # objects that the text rule above would refuse.
+    record_problem: RecordProblem | None = None
+    # The records hold lists of messages, which CSV cells cannot.
+    nested: bool = False
+
+
+def checks_for(
+    purpose: Purpose,
+    *,
+    text_field: str = "text",
+    text_pair_field: str | None = None,
+    label_field: str = "label",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    messages_field: str = "messages",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+) -> RecordChecks:
+    """The checks of an upload for `purpose`, the record fields named as a run names them."""
+    if purpose == "chat":
+        rule = partial(chat_record_problem, messages_field=messages_field)
+        return RecordChecks(record_problem=rule, nested=True)
+    if purpose == "preference":
+        # Prompts and answers may be plain text, so a CSV file can hold preference pairs.
+        rule = partial(
+            preference_record_problem,
+            prompt_field=prompt_field,
+            chosen_field=chosen_field,
+            rejected_field=rejected_field,
+        )
+        return RecordChecks(record_problem=rule)
+    fields = required_fields(
+        purpose,
+        text_field=text_field,
+        prompt_field=prompt_field,
+        completion_field=completion_field,
+        label_field=label_field,
+        text_pair_field=text_pair_field,
+    )
+    return RecordChecks(
+        required=[f.name for f in fields],
+        label_field=label_field if purpose == "sequence_classification" else None,
+    )
+
+
+def check_file(path: Path, *, fmt: str, checks: RecordChecks) -> FileReport:
+    """Parse every record and check it (see RecordChecks), one record at a time."""
     report = FileReport()
+    if checks.nested and fmt == "csv":
+        report.error(
+            "a CSV file cannot hold chat records: its cells are text, not lists of messages; "
+            "upload .jsonl or .parquet"
+        )
+        return report
     seen_fields: dict[str, None] = {}
     try:
         for where, record in _records(path, fmt, report):
             report.records += 1
             for name in record:
                 seen_fields.setdefault(name, None)
-            for name in required:
-                problem = _field_problem(record, name, is_label=name == label_field)
-                if problem:
-                    report.error(f"{where}: {problem}")
+            for problem in _record_problems(record, checks):
+                report.error(f"{where}: {problem}")
     except _LineTooLong as exc:
         report.error(str(exc))
     except (ValueError, OSError, csv.Error, RecursionError) as exc:
@@ -60,6 +124,14 @@ def check_file(path: Path, *, fmt: str, required: list[str], label_field: str | 
         report.error("the file holds no records")
     report.fields = list(seen_fields)
     return report
+
+
+def _record_problems(record: dict[str, Any], checks: RecordChecks) -> Iterator[str]:
+    for name in checks.required:
+        if problem := _field_problem(record, name, is_label=name == checks.label_field):
+            yield problem
+    if checks.record_problem and (problem := checks.record_problem(record)):
+        yield problem
 
 
 def _field_problem(record: dict[str, Any], name: str, *, is_label: bool) -> str | None:

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.models import File, new_id
-from app.services.file_checks import check_file
+from app.services.file_checks import RecordChecks, check_file
 from contract.datasets import FILE_FORMATS, Purpose, file_format
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ def receive_upload(
     stream: BinaryIO,
     storage_dir: Path,
     max_bytes: int,
-    required: list[str],
-    label_field: str | None,
+    checks: RecordChecks,
 ) -> ReceivedUpload:
     """Copy `stream` into a partial file under `storage_dir` and check every record; on any
     problem the partial file is removed and the problem raised."""
@@ -110,7 +109,7 @@ def receive_upload(
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     try:
         size = _copy_limited(stream, partial, max_bytes)
-        report = check_file(partial, fmt=fmt.name, required=required, label_field=label_field)
+        report = check_file(partial, fmt=fmt.name, checks=checks)
         if report.errors:
             more = [f"… and {report.more_errors} more"] if report.more_errors else []
             raise ValidationFailed(

@@ -97,3 +97,63 @@ def safetensors_headers(folder: Path) -> list[dict[str, Any]]:
         return headers
     except (OSError, ValueError, KeyError, struct.error):
         return []
+
+
+# Where transformers 5's tokenizers keep chat templates (transformers/utils/hub.py):
+# save_pretrained writes the template beside the tokenizer, further named ones in a folder.
+_CHAT_TEMPLATE_FILE = "chat_template.jinja"
+_CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+
+def chat_template_of(folder: Path) -> str | None:
+    """The chat template that `AutoTokenizer.from_pretrained(folder).apply_chat_template`
+    renders with (no tools given), read from files; None when it has none it can use.
+
+    As transformers 5 loads a tokenizer (tokenization_utils_base._from_pretrained): the
+    template files, when there are any, win over tokenizer_config.json's `chat_template`
+    (a string, or a list of {name, template}, older transformers' way to save several).
+    Of several templates `apply_chat_template` takes the one named "default". A
+    `chat_template.json` counts for nothing: only processors (processing_utils) read it,
+    never the tokenizer that the worker loads."""
+    try:
+        files = _template_files(folder)
+        templates = files if files is not None else _tokenizer_config_templates(folder)
+    except (OSError, UnicodeDecodeError):
+        return None  # the worker could not load this tokenizer either
+    template = templates.get("default")
+    return template if template and template.strip() else None
+
+
+def _template_files(folder: Path) -> dict[str, str | None] | None:
+    """The templates saved as files, by name (only "default" is read), or None when there
+    are none."""
+    paths = {}
+    if (folder / _CHAT_TEMPLATE_FILE).is_file():
+        paths["default"] = folder / _CHAT_TEMPLATE_FILE
+    named = folder / _CHAT_TEMPLATE_DIR
+    if named.is_dir():
+        # transformers reads these after chat_template.jinja: a default.jinja here wins.
+        paths.update({p.name.removesuffix(".jinja"): p for p in named.glob("*.jinja")})
+    if not paths:
+        return None
+    default = paths.get("default")
+    return {"default": default.read_text(encoding="utf-8") if default else None}
+
+
+def _tokenizer_config_templates(folder: Path) -> dict[str, str | None]:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    value = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        return {
+            entry["name"]: entry["template"]
+            for entry in value
+            if isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("template"), str)
+        }
+    return {}

@@ -86,7 +86,14 @@ def _reference_losses(model_dir: Path, rows: list[dict[str, list[int]]], out: Pa
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    def collate(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    def collate(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
+        if "position_ids" in batch[0]:
+            # Packed blocks (all one length): the model finds each block's rows from the
+            # restarting positions, with no mask and no cache, as tuneyard feeds them.
+            return {
+                **{k: torch.tensor([r[k] for r in batch]) for k in batch[0]},
+                "use_cache": False,
+            }
         longest = max(len(r["input_ids"]) for r in batch)
         ids = torch.zeros((len(batch), longest), dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -153,17 +160,21 @@ def _prompt_completion_reference_rows(model_dir: Path, data: Path) -> list[dict[
 
 
 def _packed_reference_rows(model_dir: Path, data: Path, seq_length: int) -> list[dict[str, Any]]:
-    """The rows joined with eos between them and cut into full blocks, the rest dropped."""
-    from transformers import AutoTokenizer
+    """The rows, each ending in eos, laid out by transformers' padding-free collator (each
+    row's positions from 0, its first token no target) and cut into full blocks, the rest
+    dropped. A row cut by a block boundary keeps counting its positions there; with
+    rotary positions only their differences matter."""
+    from transformers import AutoTokenizer, DataCollatorWithFlattening
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    joined: list[int] = []
-    for row in _text_reference_rows(model_dir, data, seq_length):
-        joined += row["input_ids"]
-        if joined[-1] != tokenizer.eos_token_id:
-            joined.append(tokenizer.eos_token_id)
-    blocks = [joined[i : i + seq_length] for i in range(0, len(joined), seq_length)]
-    return [{"input_ids": b, "labels": b} for b in blocks if len(b) == seq_length]
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    rows = [
+        {"input_ids": ids if ids[-1] == eos else [*ids, eos]}
+        for ids in (r["input_ids"] for r in _text_reference_rows(model_dir, data, seq_length))
+    ]
+    flat = DataCollatorWithFlattening(return_tensors="pt")(rows)
+    columns = {k: flat[k][0].tolist() for k in ("input_ids", "labels", "position_ids")}
+    starts = range(0, len(columns["input_ids"]) // seq_length * seq_length, seq_length)
+    return [{k: v[s : s + seq_length] for k, v in columns.items()} for s in starts]
 
 
 def _assert_matches(got: list[float], expected: list[float]) -> None:

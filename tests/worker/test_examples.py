@@ -252,17 +252,20 @@ class TestPackSequences:
         tokenized = tokenize_dataset(
             in_memory_dataset({"text": texts}), tokenizer, text_field="text", seq_length=64
         )
-        stream = [t for text in texts for t in [*plain_ids(tokenizer, text), eos]]
+        examples = [[*plain_ids(tokenizer, text), eos] for text in texts]
+        stream = [t for ids in examples for t in ids]
+        # Each example's first token is no target: alone, nothing before it predicts it.
+        targets = [t for ids in examples for t in [IGNORE_INDEX, *ids[1:]]]
         seq_length = 8
         assert len(stream) % seq_length != 0  # so a partial tail is dropped
 
         packed = pack_sequences(tokenized, seq_length=seq_length, eos_token_id=eos)
 
-        assert sorted(packed.column_names) == ["input_ids", "labels"]
+        assert sorted(packed.column_names) == ["input_ids", "labels", "position_ids"]
         assert len(packed) == len(stream) // seq_length
         assert all(len(row) == seq_length for row in packed["input_ids"])
         assert flat(packed["input_ids"]) == stream[: len(packed) * seq_length]
-        assert packed["labels"] == packed["input_ids"]
+        assert flat(packed["labels"]) == targets[: len(packed) * seq_length]
 
     def test_no_second_eos_after_an_example_ending_in_eos(self) -> None:
         rows = in_memory_dataset({"input_ids": [[5, 6, 0], [7, 8], [9, 0]]})
