@@ -34,18 +34,22 @@ class ChatStats:
     dropped: int  # cut before any learned token
 
 
-def tokenize_chat(dataset: Any, tokenizer: Any, *, spec: RunSpec) -> Any:
-    """Token ids and labels per conversation (`tokenize_chat_with_stats`); stats logged."""
+def tokenize_chat(
+    dataset: Any, tokenizer: Any, *, spec: RunSpec, notes: list[str] | None = None
+) -> Any:
+    """Token ids and labels per conversation (`tokenize_chat_with_stats`). What fitting
+    them into seq_length cost is logged and, with `notes`, added to it for the run's
+    events."""
     examples, stats = tokenize_chat_with_stats(dataset, tokenizer, spec=spec)
     if stats.truncated or stats.dropped:
-        log.info(
-            "chat data: %d of %d conversations cut at seq_length (%d), %d dropped with "
-            "nothing left to learn",
-            stats.truncated,
-            stats.conversations,
-            spec.training.seq_length,
-            stats.dropped,
+        note = (
+            f"chat data: {stats.truncated} of {stats.conversations} conversations longer "
+            f"than training.seq_length ({spec.training.seq_length}) were truncated to it; "
+            f"{stats.dropped} of them kept no learned assistant token and were dropped"
         )
+        log.info("%s", note)
+        if notes is not None:
+            notes.append(note)
     return examples
 
 

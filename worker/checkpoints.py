@@ -83,8 +83,10 @@ PROBE_TOP_K = 5
 
 
 def probe_row(batch: dict[str, Any]) -> dict[str, Any]:
-    """The first row of a training batch, cut to PROBE_TOKENS."""
-    row = {k: v[:1] for k, v in batch.items()}
+    """The first row of a training batch, cut to PROBE_TOKENS: the inputs a user gives
+    a model (a packed row's position_ids are training's, not the export's to check)."""
+    kept = ("input_ids", "attention_mask", "token_type_ids", "labels")
+    row = {k: v[:1] for k, v in batch.items() if k in kept}
     for key in ("input_ids", "attention_mask", "token_type_ids"):
         if key in row:
             row[key] = row[key][:, :PROBE_TOKENS]

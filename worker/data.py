@@ -166,6 +166,12 @@ def packs_in_one_row(attn_implementation: str | None) -> bool:
     return "flash" in (attn_implementation or "")
 
 
+def packs_in_one_row_for(module: Any) -> bool:
+    """`packs_in_one_row` for a model (or a PeftModel around one) as it was loaded."""
+    config = getattr(module, "config", None)
+    return packs_in_one_row(getattr(config, "_attn_implementation", None))
+
+
 def tokens_in(batch: dict[str, Any]) -> int:
     """Input tokens a batch trains on, padding left out."""
     mask = batch.get("attention_mask")

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from worker.data import IGNORE_INDEX
+from worker.data import IGNORE_INDEX, model_inputs, packs_in_one_row_for
 from worker.step_loss import targets_in
 
 
@@ -37,6 +37,7 @@ def evaluate(
         return _evaluate_dpo(
             engine, loader, device=device, group=group, beta=method.beta, reference=reference
         )
+    one_row = packs_in_one_row_for(engine.module)
     engine.eval()
     # loss sum, its weight, correct, count; then per class: true pos., false pos., false neg.
     # Summed on the device and copied to the host once: no sync per batch on a GPU.
@@ -52,10 +53,10 @@ def evaluate(
             targets = targets_in(batch, task=task)
             if not targets:
                 # Still run the forward: under ZeRO-3 and AutoTP it is collective.
-                engine(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
+                engine(**model_inputs(_on(device, batch), one_row=one_row))
                 continue
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            out = engine(**batch)
+            batch = _on(device, batch)
+            out = engine(**model_inputs(batch, one_row=one_row))
             totals[0] += out.loss.detach().double() * targets
             totals[1] += targets
             if task == "sequence_classification":
@@ -158,3 +159,7 @@ def _real_rows(loader: Any) -> Iterator[int]:
 
 def _f1(tp: float, fp: float, fn: float) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def _on(device: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -57,12 +57,20 @@ class Data:
     train: Any
     eval: Any | None
     labels: list[Any] | None  # classification: label values in id order
+    # What preparing the data changed (conversations truncated, pairs dropped): run events.
+    notes: list[str]
 
 
 def prepare_examples(
-    spec: RunSpec, tokenizer: Any, *, split: str | None, labels: list[Any] | None = None
+    spec: RunSpec,
+    tokenizer: Any,
+    *,
+    split: str | None,
+    labels: list[Any] | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[Any, Any]:
-    """Tokenized examples for one split, and the label values (classification only).
+    """Tokenized examples for one split, and the label values (classification only);
+    what fitting chat or preference data into seq_length cost is added to `notes`.
 
     `labels` fixes the label ids (the train split's), so an eval split with fewer distinct
     labels still maps each label to the id the model learned for it.
@@ -86,11 +94,11 @@ def prepare_examples(
     if ds.format == "preference":
         from worker.preference import tokenize_preference
 
-        return tokenize_preference(raw, tokenizer, spec=spec), None
+        return tokenize_preference(raw, tokenizer, spec=spec, notes=notes), None
     if ds.format == "chat":
         from worker.chat import tokenize_chat
 
-        examples = tokenize_chat(raw, tokenizer, spec=spec)
+        examples = tokenize_chat(raw, tokenizer, spec=spec, notes=notes)
     elif ds.format == "prompt_completion":
         examples = tokenize_prompt_completion(
             raw,
@@ -115,15 +123,21 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
     read the cache instead of racing to write it."""
     import torch.distributed as dist
 
+    notes: list[str] = []
+
     def prepare() -> tuple[Any, Any, Any]:
-        train, labels = prepare_examples(spec, tokenizer, split=None)
+        # Every rank prepares the same data: rank 0's notes are the run's.
+        notes.clear()
+        train, labels = prepare_examples(spec, tokenizer, split=None, notes=notes)
         evaluation = None
         if spec.dataset.eval_split:
             # The train split's label ids; a label only the eval split has is refused by
             # tokenize_classification, naming it.
+            eval_notes: list[str] = []
             evaluation, _ = prepare_examples(
-                spec, tokenizer, split=spec.dataset.eval_split, labels=labels
+                spec, tokenizer, split=spec.dataset.eval_split, labels=labels, notes=eval_notes
             )
+            notes.extend(f"eval split {spec.dataset.eval_split!r}: {n}" for n in eval_notes)
         return train, evaluation, labels
 
     if rank == 0:
@@ -136,6 +150,7 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
         train=_loader(spec, tokenizer, train, shuffle=True),
         eval=_loader(spec, tokenizer, evaluation, shuffle=False) if evaluation else None,
         labels=labels,
+        notes=notes,
     )
 
 
@@ -157,7 +172,9 @@ def _loader(spec: RunSpec, tokenizer: Any, examples: Any, *, shuffle: bool) -> A
         # forward passes (ZeRO-3 and AutoTP forwards are collective).
         drop_last=shuffle,
     )
-    collate: Any = (
+    from worker.preference import collator_for
+
+    collate: Any = collator_for(spec, tokenizer) or (
         ClassificationCollator(pad_token_id=tokenizer.pad_token_id)
         if spec.task == "sequence_classification"
         else CausalLMCollator(pad_token_id=tokenizer.pad_token_id)

@@ -29,9 +29,12 @@ log = logging.getLogger("tuneyard.worker")
 COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
-def tokenize_preference(dataset: Any, tokenizer: Any, *, spec: RunSpec) -> Any:
+def tokenize_preference(
+    dataset: Any, tokenizer: Any, *, spec: RunSpec, notes: list[str] | None = None
+) -> Any:
     """The pairs as a `datasets.Dataset` with COLUMNS; pairs that seq_length leaves an
-    answer without a single learned token are dropped (and counted in the log)."""
+    answer without a single learned token are dropped (counted in the log and, with
+    `notes`, in a note for the run's events)."""
     from contract.records import preference_record_problem
 
     ds = spec.dataset
@@ -60,12 +63,13 @@ def tokenize_preference(dataset: Any, tokenizer: Any, *, spec: RunSpec) -> Any:
     )
     dropped = len(tokenized) - len(kept)
     if dropped:
-        log.warning(
-            "%d of %d preference pairs dropped: training.seq_length (%d) cuts a whole answer",
-            dropped,
-            len(tokenized),
-            seq_length,
+        note = (
+            f"preference data: {dropped} of {len(tokenized)} pairs dropped: "
+            f"training.seq_length ({seq_length}) cuts a whole answer"
         )
+        log.warning("%s", note)
+        if notes is not None:
+            notes.append(note)
     if len(kept) == 0:
         raise ValueError(
             f"no preference pair keeps any of its {ds.chosen_field!r} and {ds.rejected_field!r} "

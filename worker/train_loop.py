@@ -172,6 +172,8 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
         f"tokenizer, data, model and DeepSpeed engine ready in "
         f"{time.perf_counter() - setup_started:.1f}s",
     )
+    for note in data.notes:
+        sinks.event("data_fitted", note)
     step = restore_checkpoint(engine, spec)
     if step:
         sinks.event(
@@ -282,8 +284,10 @@ def train_step(
     import torch
 
     from worker import step_loss
+    from worker.data import model_inputs, packs_in_one_row_for
 
     method = spec.method
+    one_row = packs_in_one_row_for(engine.module)
     micro_batches = [next(batches) for _ in range(spec.training.gradient_accumulation_steps)]
     counts = [step_loss.targets_in(b, task=spec.task, method=method.type) for b in micro_batches]
     total = step_loss.step_targets(
@@ -307,7 +311,7 @@ def train_step(
             result.pairs += targets
         else:
             result.samples += batch["input_ids"].shape[0]
-            mean_loss = engine(**on_device).loss
+            mean_loss = engine(**model_inputs(on_device, one_row=one_row)).loss
         share = step_loss.step_share(mean_loss, targets=targets, step_targets=total)
         step_loss.backward(engine, share, data_parallel_size=spec.data_parallel_size)
         engine.step()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.services.adapter_sizes import Linear, adapter_parameters, linear_weights
 from app.services.model_files import checkpoint_parameters, safetensors_headers
 from app.services.run_rules import CheckedRequest
 from contract.run_request import RunDefinition
@@ -96,10 +97,18 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
         # One read of the safetensors headers; the count alone where the layout is unknown.
         model = ModelFacts.read(folder, checked.model_config)
         parameters = model.parameters if model else checkpoint_parameters(folder)
+    trainable = trainable_parameters(spec, model) if model else None
+    if spec.lora is None:
+        trainable = parameters
     return {
         "parameters": parameters,
+        # Full fine-tuning trains them all; LoRA only its adapters (the base is frozen),
+        # and gradients, optimizer state and master copy are the adapters' alone.
+        "trainable_parameters": trainable,
         "model_states_bytes_per_worker": (
-            model_states_bytes(spec, parameters) if parameters is not None else None
+            model_states_bytes(spec, parameters, trainable=trainable)
+            if parameters is not None and trainable is not None
+            else None
         ),
         "memory_per_worker": (
             memory_per_worker(spec, model, _deepspeed_config(checked)) if model else None
@@ -114,15 +123,19 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
     }
 
 
-def model_states_bytes(spec: RunDefinition, parameters: int) -> dict[str, int]:
+def model_states_bytes(
+    spec: RunDefinition, parameters: int, *, trainable: int | None = None
+) -> dict[str, int]:
+    """`trainable`: the parameters with gradients and optimizer state (all by default)."""
     ds = spec.deepspeed
     precision = resolve_precision(spec, bf16_supported=ASSUME_BF16_GPU)
     psi = parameters / ds.tensor_parallel_size
+    psi_t = (parameters if trainable is None else trainable) / ds.tensor_parallel_size
     dp = spec.data_parallel_size
     if precision == "fp32":
-        params, grads, optim = 4 * psi, 4 * psi, 8 * psi
+        params, grads, optim = 4 * psi, 4 * psi_t, 8 * psi_t
     else:
-        params, grads, optim = 2 * psi, 2 * psi, 12 * psi
+        params, grads, optim = 2 * psi, 2 * psi_t, 12 * psi_t
     stage = ds.zero_stage
     if stage >= 1:
         optim /= dp
@@ -163,6 +176,7 @@ class ModelFacts:
     vocab: int
     gated_mlp: bool  # SwiGLU-style MLP (Llama, Qwen, Mistral, Gemma): three matrices
     rotary: bool  # rotary position embeddings, applied to queries and keys
+    linears: tuple[Linear, ...] = ()  # the 2-d weights, by module name (LoRA's targets)
 
     @property
     def parameters(self) -> int:
@@ -196,6 +210,7 @@ class ModelFacts:
         model_type = str(cfg.get("model_type") or "")
         return cls(
             tensor_sizes=tuple(sizes),
+            linears=linear_weights(headers),
             checkpoint_bytes=stored,
             layers=layers,
             hidden=hidden,
@@ -206,6 +221,13 @@ class ModelFacts:
             gated_mlp=activation in ("silu", "swish") or model_type.startswith("gemma"),
             rotary=any(key.startswith("rope") or key.startswith("rotary") for key in cfg),
         )
+
+
+def trainable_parameters(spec: RunDefinition, model: ModelFacts) -> int:
+    """What trains: every parameter, or under LoRA the adapters alone."""
+    if spec.lora is None:
+        return model.parameters
+    return adapter_parameters(model.linears, spec.lora)
 
 
 def _first_int(config: dict[str, Any], *keys: str) -> int | None:
@@ -333,10 +355,13 @@ def _states(
     zero = ds_config["zero_optimization"]
     stage, dp, tp = ds.zero_stage, spec.data_parallel_size, ds.tensor_parallel_size
     psi = model.parameters / tp
+    # What trains (LoRA: the adapters; the frozen base has no gradients, optimizer state
+    # or master copy, and ZeRO-1/2 flatten only the trainable parameters' groups).
+    psi_t = trainable_parameters(spec, model) / tp
     mixed = width < _FP32
     offload = ds.offload_optimizer == "cpu"
     temporaries_per_element = _FP32 * (1 if spec.resources.use_gpu else 2)
-    largest = max(model.tensor_sizes) / tp
+    largest = min(max(model.tensor_sizes) / tp, psi_t)
 
     if stage == 0:
         # Plain AdamW on the module's tensors (fp32), or on FP16_Optimizer's flat master.
@@ -345,27 +370,29 @@ def _states(
             parameters=width * psi,
             persistent=0,
             gathered=0,
-            gradients=width * psi + (_FP32 * psi if mixed else 0),
+            gradients=width * psi_t + (_FP32 * psi_t if mixed else 0),
             offloaded_gradients=0,
-            optimizer=_ADAM_BYTES * psi,
-            step_temporaries=temporaries_per_element * (psi if flat else largest),
-            master=_FP32 * psi if mixed else 0,
-            buckets=width * min(psi, _ZERO0_ALLREDUCE_ELEMENTS),
+            optimizer=_ADAM_BYTES * psi_t,
+            step_temporaries=temporaries_per_element * (psi_t if flat else largest),
+            master=_FP32 * psi_t if mixed else 0,
+            buckets=width * min(psi_t, _ZERO0_ALLREDUCE_ELEMENTS),
         )
     partition = psi / dp
-    fp32_grads = _FP32 * partition
-    step_temporaries = 0 if offload else temporaries_per_element * partition
+    partition_t = psi_t / dp
+    fp32_grads = _FP32 * partition_t
+    step_temporaries = 0 if offload else temporaries_per_element * partition_t
     reduce_bucket = width * _zero_value(zero, "reduce_bucket_size")
     if stage in (1, 2):
         return _States(
             parameters=width * psi,
             persistent=0,
             gathered=0,
-            gradients=width * (psi if stage == 1 else partition) + (0 if offload else fp32_grads),
+            gradients=width * (psi_t if stage == 1 else partition_t)
+            + (0 if offload else fp32_grads),
             offloaded_gradients=fp32_grads if offload else 0,
-            optimizer=_ADAM_BYTES * partition,
+            optimizer=_ADAM_BYTES * partition_t,
             step_temporaries=step_temporaries,
-            master=_FP32 * partition,
+            master=_FP32 * partition_t,
             buckets=reduce_bucket * (2 if zero.get("overlap_comm") else 1),
         )
     threshold = _zero_value(zero, "stage3_param_persistence_threshold")
@@ -377,11 +404,11 @@ def _states(
         persistent=width * persistent,
         gathered=width * min(psi - persistent, held_into_backward + in_flight),
         # With offload_optimizer the gradient partition itself lives on the host too.
-        gradients=0 if offload else width * partition + fp32_grads,
-        offloaded_gradients=width * partition + fp32_grads if offload else 0,
-        optimizer=_ADAM_BYTES * partition,
+        gradients=0 if offload else width * partition_t + fp32_grads,
+        offloaded_gradients=width * partition_t + fp32_grads if offload else 0,
+        optimizer=_ADAM_BYTES * partition_t,
         step_temporaries=step_temporaries,
-        master=_FP32 * partition,
+        master=_FP32 * partition_t,
         buckets=reduce_bucket,
     )
 

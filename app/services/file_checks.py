@@ -98,8 +98,11 @@ def checks_for(
     )
 
 
-def check_file(path: Path, *, fmt: str, checks: RecordChecks) -> FileReport:
-    """Parse every record and check it (see RecordChecks), one record at a time."""
+def check_file(
+    path: Path, *, fmt: str, checks: RecordChecks, limit: int | None = None
+) -> FileReport:
+    """Parse every record (the first `limit` with one) and check it (see RecordChecks),
+    one record at a time."""
     report = FileReport()
     if checks.nested and fmt == "csv":
         report.error(
@@ -110,6 +113,8 @@ def check_file(path: Path, *, fmt: str, checks: RecordChecks) -> FileReport:
     seen_fields: dict[str, None] = {}
     try:
         for where, record in _records(path, fmt, report):
+            if limit is not None and report.records >= limit:
+                break
             report.records += 1
             for name in record:
                 seen_fields.setdefault(name, None)

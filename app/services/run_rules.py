@@ -20,7 +20,13 @@ from sqlalchemy.orm import Session
 
 from app.errors import field_problem
 from app.models import RUN_ID, Checkpoint, File, Run
-from app.services.model_files import trainable_model_types
+from app.services.adapter_sizes import adapter_parameters, linear_weights
+from app.services.file_checks import check_file, checks_for
+from app.services.model_files import (
+    chat_template_of,
+    safetensors_headers,
+    trainable_model_types,
+)
 from app.settings import SourceRoots
 from contract.datasets import (
     FILE_FORMATS,
@@ -29,6 +35,7 @@ from contract.datasets import (
     is_local_source,
     is_uploaded,
     local_split_problem,
+    purpose_of,
 )
 from contract.run_request import RunDefinition, RunRequest
 from contract.steps import StepPlan, examples_used
@@ -246,6 +253,41 @@ def _read_model_config(path: Path, request: RunRequest, checked: CheckedRequest)
     checked.spec["model"] = str(path)
     checked.model_config = config
     checked.problems.extend(model_config_problems(config, request))
+    for problem in (chat_template_problem(path, request), lora_target_problem(path, request)):
+        if problem is not None:
+            checked.problems.append(problem)
+
+
+def lora_target_problem(folder: Path, req: RunRequest) -> Problem | None:
+    """LoRA target_modules that name no linear layer of the model (peft would refuse them
+    on the cluster); None where the checkpoint's tensors are not readable here."""
+    if req.lora is None or isinstance(req.lora.target_modules, str):
+        return None
+    linears = linear_weights(safetensors_headers(folder))
+    if not linears or adapter_parameters(linears, req.lora) > 0:
+        return None
+    names = sorted({module.rsplit(".", 1)[-1] for module, _, _ in linears})
+    return field_problem(
+        "lora.target_modules",
+        f"{req.lora.target_modules} name no linear layer of the model; its linear layers "
+        f"are named {', '.join(names[:16])}{', ...' if len(names) > 16 else ''} (or use "
+        "'all-linear')",
+    )
+
+
+def chat_template_problem(folder: Path, req: RunRequest) -> Problem | None:
+    """Chat data is rendered with a chat template: the request's, or the model's own.
+    (A hub model's tokenizer is the cluster's to read; there the worker refuses it.)"""
+    if req.dataset.format != "chat" or req.dataset.chat_template is not None:
+        return None
+    if chat_template_of(folder) is not None:
+        return None
+    return field_problem(
+        "dataset.chat_template",
+        f"format 'chat' renders conversations with a chat template, and the tokenizer of "
+        f"model {req.model!r} has none: give dataset.chat_template (a Jinja template, e.g. "
+        "ChatML's)",
+    )
 
 
 def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Problem]:
@@ -325,7 +367,42 @@ def _check_dataset(
     if message:
         checked.problems.append(field_problem(name, message))
         return
+    assert path is not None
     checked.spec["dataset"]["source"] = str(path)
+    checked.problems.extend(sampled_record_problems(path, request))
+
+
+# Records of a local chat or preference file read at validation: enough to catch a file of
+# the wrong shape at once, while a large file still validates in well under a second. An
+# upload is checked whole when it arrives (app/services/files.py).
+SAMPLED_RECORDS = 1_000
+SAMPLED_ERRORS = 5
+
+
+def sampled_record_problems(path: Path, req: RunRequest) -> list[Problem]:
+    """The first records of a local chat or preference file, checked by the rules an
+    upload for that format is checked by, each problem with its line."""
+    ds = req.dataset
+    fmt = file_format(path) if path.is_file() else None
+    if fmt is None or ds.format not in ("chat", "preference"):
+        return []
+    checks = checks_for(
+        purpose_of(req.task, ds.format),
+        messages_field=ds.messages_field,
+        prompt_field=ds.prompt_field,
+        chosen_field=ds.chosen_field,
+        rejected_field=ds.rejected_field,
+    )
+    report = check_file(path, fmt=fmt.name, checks=checks, limit=SAMPLED_RECORDS)
+    shown = report.errors[:SAMPLED_ERRORS]
+    more = len(report.errors) - len(shown) + report.more_errors
+    problems = [
+        field_problem("dataset.source", f"{path.name} is not {ds.format} data: {error}")
+        for error in shown
+    ]
+    if more:
+        problems.append(field_problem("dataset.source", f"{path.name}: ... and {more} more"))
+    return problems
 
 
 def _allowed_local_path(value: str, roots: Sequence[Path]) -> tuple[Path | None, str | None]:

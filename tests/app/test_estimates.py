@@ -18,6 +18,8 @@ from app.services.estimates import (
     ModelFacts,
     activation_bytes,
     memory_per_worker,
+    model_states_bytes,
+    trainable_parameters,
 )
 from contract.run_request import RunDefinition, RunRequest
 from worker.deepspeed_config import resolve_deepspeed_config
@@ -305,3 +307,63 @@ class TestModelFacts:
 
     def test_a_folder_without_safetensors_says_nothing(self, tmp_path: Path) -> None:
         assert ModelFacts.read(tmp_path, {"hidden_size": 64, "num_hidden_layers": 2}) is None
+
+
+class TestLora:
+    """Under LoRA only the adapters train: counted from the checkpoint's tensors as peft
+    counts the model it builds, and only they carry gradients and optimizer state."""
+
+    @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["c_attn"]])
+    @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_model_dir"])
+    def test_trainable_parameters_are_what_peft_trains(
+        self, model_fixture: str, targets: Any, request: pytest.FixtureRequest
+    ) -> None:
+        import json
+
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        folder: Path = request.getfixturevalue(model_fixture)
+        config = json.loads((folder / "config.json").read_text())
+        model = ModelFacts.read(folder, config)
+        assert model is not None
+        spec = RunDefinition.model_validate(
+            {
+                "model": str(folder),
+                "dataset": {"source": "/data.jsonl"},
+                "lora": {"r": 4, "target_modules": targets},
+            }
+        )
+        try:
+            peft_model = get_peft_model(
+                AutoModelForCausalLM.from_pretrained(folder),
+                LoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM"),
+            )
+        except ValueError:  # a name the model does not have: peft refuses it
+            assert trainable_parameters(spec, model) == 0
+            return
+        theirs, total = peft_model.get_nb_trainable_parameters()
+        assert trainable_parameters(spec, model) == theirs > 0
+        assert model.parameters < total  # peft's total includes the adapters
+
+    def test_only_the_adapters_carry_gradients_and_optimizer_state(self) -> None:
+        names = [f"model.layers.{i}.self_attn.{m}" for i in range(8) for m in ("q_proj", "v_proj")]
+        linears = tuple((n, HIDDEN, HIDDEN) for n in names)
+        full = spec_for(stage=2)
+        lora = RunDefinition.model_validate(
+            {**full.model_dump(), "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}
+        )
+        adapters = 16 * 8 * (HIDDEN + HIDDEN)
+        model = facts(linears=linears)
+        assert trainable_parameters(lora, model) == adapters
+        config = resolve_deepspeed_config(full, bf16_supported=False, hidden_size=HIDDEN)
+        ours = memory_per_worker(lora, model, config)["lines"]
+        theirs = memory_per_worker(full, model, config)["lines"]
+        # The frozen base is still held whole (ZeRO-2 keeps parameters whole) ...
+        assert ours["parameters"] == theirs["parameters"]
+        # ... but Adam's moments and the master copy are the adapters' partition only.
+        assert ours["optimizer_states"]["host"] == 8 * adapters // 2
+        assert ours["fp32_master_copy"]["host"] == 4 * adapters // 2
+        states = model_states_bytes(lora, PSI, trainable=adapters)
+        assert states["optimizer_states"] == 8 * adapters // 2
+        assert states["parameters"] == 4 * PSI

@@ -112,6 +112,82 @@ class TestCombinations:
         assert "AutoTP" in _problems(client, auth, body)["lora"]
 
 
+def _chat_file(root: Path, *records: Any) -> Path:
+    path = root / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+GOOD_CHAT = {
+    "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+}
+
+
+class TestChatData:
+    def test_a_model_without_a_chat_template_is_refused_with_nothing_stored(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = run_request(
+            tmp_path, dataset={"source": str(_chat_file(tmp_path, GOOD_CHAT)), "format": "chat"}
+        )
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 422, r.text
+        fields = {e["field"]: e["message"] for e in r.json()["detail"]}
+        assert "has none: give dataset.chat_template" in fields["dataset.chat_template"]
+        assert _runs(session_factory) == 0
+
+    def test_the_requests_template_or_the_models_own_will_do(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        data = {"source": str(_chat_file(tmp_path, GOOD_CHAT)), "format": "chat"}
+        given = run_request(tmp_path, dataset={**data, "chat_template": "{{ messages }}"})
+        assert _problems(client, auth, given) == {}
+        # As transformers 5 saves a tokenizer's template: chat_template.jinja beside it.
+        (tmp_path / "model" / "chat_template.jinja").write_text("{{ messages }}")
+        assert _problems(client, auth, run_request(tmp_path, dataset=data)) == {}
+
+    def test_local_records_are_checked_with_their_lines(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        no_assistant = {"messages": [{"role": "user", "content": "Hi"}]}
+        odd_role = {"messages": [{"role": "bot", "content": "Hi"}]}
+        data = _chat_file(tmp_path, GOOD_CHAT, no_assistant, odd_role)
+        body = run_request(
+            tmp_path, dataset={"source": str(data), "format": "chat", "chat_template": "{{ 1 }}"}
+        )
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 422, r.text
+        messages = [e["message"] for e in r.json()["detail"] if e["field"] == "dataset.source"]
+        assert len(messages) == 2, messages
+        assert "line 2" in messages[0] and "assistant" in messages[0]
+        assert "line 3" in messages[1] and "'bot'" in messages[1]
+        assert _runs(session_factory) == 0
+
+    def test_preference_records_missing_rejected_are_refused(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        path = tmp_path / "pairs.jsonl"
+        path.write_text(json.dumps({"prompt": "2+2?", "chosen": "4"}) + "\n")
+        body = run_request(
+            tmp_path,
+            dataset={"source": str(path), "format": "preference"},
+            method={"type": "dpo"},
+        )
+        message = _problems(client, auth, body)["dataset.source"]
+        assert "line 1" in message and "rejected" in message
+
+
 class TestSchema:
     @pytest.mark.parametrize(
         ("change", "field"),
@@ -213,4 +289,35 @@ class TestModelFromARun:
         other = {"Authorization": f"Bearer {make_api_key(session_factory, 'team-b')}"}
         assert _problems(client, other, run_request(tmp_path, model=run_id))["model"] == (
             f"no run {run_id!r}"
+        )
+
+
+class TestLoraTargets:
+    def test_target_modules_the_model_lacks_are_refused_naming_its_layers(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        body = run_request(tmp_path, model=str(tiny_model_dir), lora={"target_modules": ["q_proj"]})
+        message = _problems(client, auth, body)["lora.target_modules"]
+        assert "name no linear layer" in message and "c_attn" in message
+        body["lora"]["target_modules"] = ["c_attn"]
+        assert _problems(client, auth, body) == {}
+
+    def test_validate_counts_only_the_adapters_as_trainable(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        full = run_request(tmp_path, model=str(tiny_model_dir))
+        lora = {**full, "lora": {"r": 4, "target_modules": ["c_attn"]}}
+        estimates = []
+        for body in (full, lora):
+            r = client.post("/v1/runs/validate", json=body, headers=auth)
+            assert r.status_code == 200 and r.json()["valid"], r.text
+            estimates.append(r.json()["estimate"])
+        whole, adapted = estimates
+        assert whole["trainable_parameters"] == whole["parameters"]
+        assert adapted["parameters"] == whole["parameters"]
+        assert 0 < adapted["trainable_parameters"] < whole["parameters"] // 10
+        lines = adapted["memory_per_worker"]["lines"]
+        assert (
+            lines["optimizer_states"]["host"]
+            < whole["memory_per_worker"]["lines"]["optimizer_states"]["host"] // 10
         )

@@ -55,15 +55,17 @@ def spec_for(
 
 
 def batches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    """The same batch every step: random tokens are unlearnable as a stream, but a
+    repeated batch is memorised, so a working adapter must lower its loss."""
     generator = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(3, vocab, (2, 16), generator=generator)
-        mask = torch.ones_like(ids)
-        mask[1, 12:] = 0  # a padded row: the probe checks only real positions
-        labels = ids.masked_fill(mask == 0, -100)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return out
+    ids = torch.randint(3, vocab, (2, 16), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0  # a padded row: the probe checks only real positions
+    labels = ids.masked_fill(mask == 0, -100)
+    return [
+        {"input_ids": ids.clone(), "attention_mask": mask.clone(), "labels": labels.clone()}
+        for _ in range(STEPS)
+    ]
 
 
 def _free_port() -> int:
