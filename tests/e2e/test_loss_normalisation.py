@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.e2e.conftest import Service
-from tests.e2e.helpers import assert_succeeded, metric_series
+from tests.e2e.helpers import assert_succeeded, metric_series, trainer_losses
 
 pytestmark = pytest.mark.e2e
 
@@ -83,52 +82,7 @@ def _tuneyard_losses(service: Service, model: Path, data: Path, **groups: Any) -
 
 def _reference_losses(model_dir: Path, rows: list[dict[str, list[int]]], out: Path) -> list[float]:
     """Hugging Face Trainer, one process, batch 4: its logged loss of every step."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    def collate(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
-        if "position_ids" in batch[0]:
-            # Packed blocks (all one length): the model finds each block's rows from the
-            # restarting positions, with no mask and no cache, as tuneyard feeds them.
-            return {
-                **{k: torch.tensor([r[k] for r in batch]) for k in batch[0]},
-                "use_cache": False,
-            }
-        longest = max(len(r["input_ids"]) for r in batch)
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        labels = torch.full((len(batch), longest), -100, dtype=torch.long)
-        for i, r in enumerate(batch):
-            n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            mask[i, :n] = 1
-            labels[i, :n] = torch.tensor(r["labels"])
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-    args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=len(rows),
-        max_steps=STEPS,
-        learning_rate=LEARNING_RATE,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=42,
-        remove_unused_columns=False,
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = Trainer(
-        model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate
-    )
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == STEPS
-    return losses
+    return trainer_losses(model_dir, rows, out, steps=STEPS, learning_rate=LEARNING_RATE)
 
 
 def _text_reference_rows(

@@ -29,7 +29,13 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 
 
 def spec_for(
-    model: Path, storage: Path, *, stage: int, export: str, targets: Any = "all-linear"
+    model: Path,
+    storage: Path,
+    *,
+    stage: int,
+    export: str,
+    targets: Any = "all-linear",
+    offload: str = "none",
 ) -> RunSpec:
     return RunSpec.model_validate(
         {
@@ -48,7 +54,7 @@ def spec_for(
                 "batch_size_per_worker": 2,
                 "seq_length": 16,
             },
-            "deepspeed": {"zero_stage": stage, "precision": "fp32"},
+            "deepspeed": {"zero_stage": stage, "precision": "fp32", "offload_optimizer": offload},
             "resources": {"num_workers": 1},
         }
     )
@@ -196,15 +202,21 @@ def assert_same_logits(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> 
     assert diff < 1e-4 * float(b.abs().max()), diff
 
 
-@pytest.mark.parametrize(("stage", "export"), [(0, "adapter"), (2, "merged"), (3, "both")], ids=str)
+@pytest.mark.parametrize(
+    ("stage", "export", "offload"),
+    [(0, "adapter", "none"), (2, "merged", "none"), (3, "both", "none"), (3, "adapter", "cpu")],
+    ids=str,
+)
 def test_lora_run_matches_peft_exports_and_resumes(
-    stage: int, export: str, tiny_llama_dir: Path, tmp_path: Path
+    stage: int, export: str, offload: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     import torch.multiprocessing as mp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = spec_for(tiny_llama_dir, tmp_path / "storage", stage=stage, export=export)
+    spec = spec_for(
+        tiny_llama_dir, tmp_path / "storage", stage=stage, export=export, offload=offload
+    )
     mp.spawn(_train_ours, args=(spec.model_dump_json(), _free_port(), str(tmp_path)), nprocs=1)
     result = json.loads((tmp_path / "result.json").read_text())
     weights = torch.load(tmp_path / "weights.pt")
