@@ -6,10 +6,12 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
-from app.api import files, health, internal, prometheus, runs
+from app.api import files, fine_tuning, health, internal, prometheus, runs
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
@@ -96,7 +98,9 @@ def create_app(
         version="0.1.0",
         summary="Fine-tune language models on Ray Train + DeepSpeed over HTTP.",
         lifespan=lifespan,
+        generate_unique_id_function=operation_id,
     )
+    mark_uploads_binary(app)
     read_session_factory = make_session_factory(read_engine)
     state = app.state.tuneyard = AppState(
         settings=settings,
@@ -109,10 +113,44 @@ def create_app(
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer, errors included
     app.include_router(runs.router)
     app.include_router(files.router)
+    app.include_router(fine_tuning.router)
     app.include_router(internal.router)
     app.include_router(health.router)
     app.include_router(prometheus.router)
     return app
+
+
+def operation_id(route: APIRoute) -> str:
+    """The endpoint function's name, a plain verb (`create_run`, `get_file`): what a client
+    generated from the document calls, and stable while paths and tags change. FastAPI's
+    default (`create_run_v1_runs_post`) leaks the path and method into every client."""
+    return route.name
+
+
+def mark_uploads_binary(app: FastAPI) -> None:
+    """Put `format: binary` beside each `contentMediaType: application/octet-stream` in the
+    app's document. OpenAPI 3.1 writes an upload that way, but most client generators
+    (openapi-python-client 0.29 among them) know a file only by the 3.0 `format`, and would
+    send the upload as a text field. The two say the same thing."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _mark_binary(build())  # FastAPI builds the document once, then serves it
+        return build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _mark_binary(node: Any) -> None:
+    if isinstance(node, dict):
+        if node.get("contentMediaType") == "application/octet-stream":
+            node.setdefault("format", "binary")
+        for value in node.values():
+            _mark_binary(value)
+    elif isinstance(node, list):
+        for value in node:
+            _mark_binary(value)
 
 
 def create_worker_app() -> FastAPI:

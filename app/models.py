@@ -82,6 +82,10 @@ class Run(Base):
     resubmits: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     run_metadata: Mapped[dict[str, str]] = mapped_column("metadata", JSON, default=dict)
+    # A run created as an OpenAI fine-tuning job (POST /v1/fine_tuning/jobs): the job's own
+    # fields that the run's spec does not keep (file ids, suffix, hyperparameters as asked
+    # and as resolved, method); app/services/openai_jobs.py. Null for other runs.
+    openai_job: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # sha256 of the token of the current attempt's worker (new per attempt); app/security.py.
     callback_token_hash: Mapped[str | None] = mapped_column(String(64))
     ray_submission_id: Mapped[str | None] = mapped_column(String(64))

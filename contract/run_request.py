@@ -182,7 +182,22 @@ class DatasetSpec(BaseModel):
     chosen_field: Name = "chosen"
     rejected_field: Name = "rejected"
     eval_split: Name | None = None
+    eval_source: DatasetSource | None = Field(
+        default=None,
+        description="Evaluation examples from another file or dataset (the same forms as "
+        "`source`; OpenAI's validation_file), read with the same fields and format; its "
+        "split is eval_split, or 'train' (a local or uploaded file's only split).",
+    )
     max_samples: int | None = Field(default=None, gt=0, le=INT32_MAX)
+
+    def eval_wanted(self) -> tuple[str | None, str] | None:
+        """Where evaluation reads from, as (source override or None, split); None if it
+        does not."""
+        if self.eval_source is not None:
+            return self.eval_source, self.eval_split or "train"
+        if self.eval_split is not None:
+            return None, self.eval_split
+        return None
 
 
 class TrainingSpec(BaseModel):

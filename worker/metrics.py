@@ -62,7 +62,11 @@ class MetricSinks:
         elapsed: float,
         result: StepResult,
         total_steps: int,
+        tokens_since_log: int | None = None,
     ) -> None:
+        """`tokens_since_log`: this rank's input tokens over the steps since the last
+        logged one, this one included (default: this step's); summed over ranks, the
+        `tokens` metric, whose sum over the logged steps is every token trained."""
         import torch
         import torch.distributed as dist
 
@@ -88,7 +92,14 @@ class MetricSinks:
         # its pairs' metric sums and pair count (every rank of a run has them, or none does).
         parts = [
             result.loss.to(torch.float64).cpu().reshape(1),
-            torch.tensor([float(result.tokens), float(result.samples)], dtype=torch.float64),
+            torch.tensor(
+                [
+                    float(result.tokens),
+                    float(result.samples),
+                    float(result.tokens if tokens_since_log is None else tokens_since_log),
+                ],
+                dtype=torch.float64,
+            ),
         ]
         if result.pair_sums is not None:
             parts.append(result.pair_sums.to(torch.float64).cpu())
@@ -119,7 +130,8 @@ class MetricSinks:
             "loss": float(totals[0]) / tp,
             "tokens_per_second": float(totals[1]) / tp / elapsed,
             "samples_per_second": float(totals[2]) / tp / elapsed,
-            **_pair_means(totals[3:]),
+            "tokens": float(totals[3]) / tp,
+            **_pair_means(totals[4:]),
             **pending.local,
         }
         self._latest = metrics

@@ -68,14 +68,19 @@ def prepare_examples(
     split: str | None,
     labels: list[Any] | None = None,
     notes: list[str] | None = None,
+    source: str | None = None,
 ) -> tuple[Any, Any]:
-    """Tokenized examples for one split, and the label values (classification only);
-    what fitting chat or preference data into seq_length cost is added to `notes`.
+    """Tokenized examples for one split (of `source`, when given, in place of
+    dataset.source), and the label values (classification only); what fitting chat or
+    preference data into seq_length cost is added to `notes`.
 
     `labels` fixes the label ids (the train split's), so an eval split with fewer distinct
     labels still maps each label to the id the model learned for it.
     """
     ds, tr = spec.dataset, spec.training
+    if source is not None:
+        # Another file's examples are all evaluated: max_samples limits training data.
+        ds = ds.model_copy(update={"source": source, "config": None, "max_samples": None})
     raw = load_raw_dataset(ds, task=spec.task, split=split)
     if spec.task == "sequence_classification":
         field = ds.label_field or "label"
@@ -130,14 +135,20 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
         notes.clear()
         train, labels = prepare_examples(spec, tokenizer, split=None, notes=notes)
         evaluation = None
-        if spec.dataset.eval_split:
+        if wanted := spec.dataset.eval_wanted():
+            eval_source, eval_split = wanted
             # The train split's label ids; a label only the eval split has is refused by
             # tokenize_classification, naming it.
             eval_notes: list[str] = []
             evaluation, _ = prepare_examples(
-                spec, tokenizer, split=spec.dataset.eval_split, labels=labels, notes=eval_notes
+                spec,
+                tokenizer,
+                split=eval_split,
+                labels=labels,
+                notes=eval_notes,
+                source=eval_source,
             )
-            notes.extend(f"eval split {spec.dataset.eval_split!r}: {n}" for n in eval_notes)
+            notes.extend(f"evaluation data: {n}" for n in eval_notes)
         return train, evaluation, labels
 
     if rank == 0:

@@ -196,6 +196,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
 
     batches = batches_from(plan, data.train, step)
     tr = spec.training
+    tokens_since_log = 0
     while step < plan.total_steps:
         logged = (step + 1) % tr.log_every_n_steps == 0 or step + 1 == plan.total_steps
         if logged:
@@ -212,6 +213,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             reference=training.reference,
         )
         step += 1
+        tokens_since_log += result.tokens
         if logged:
             _synchronize(training.device)
             sinks.log_step(
@@ -221,7 +223,9 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
                 elapsed=time.perf_counter() - started,
                 result=result,
                 total_steps=plan.total_steps,
+                tokens_since_log=tokens_since_log,
             )
+            tokens_since_log = 0
         if tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps:
             run_eval(step)
         every = spec.checkpointing.every_n_steps

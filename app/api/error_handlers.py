@@ -1,4 +1,6 @@
-"""One rendering for every error: `{"error": ..., "detail": ...}`, never a traceback."""
+"""One rendering for every error: `{"error": ..., "detail": ...}`, never a traceback;
+OpenAI's `{"error": {"message", "type", "param", "code"}}` for its clients
+(app/api/openai_compat.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import get_route_path
 
 from app.api.deps import bearer_token
+from app.api.openai_compat import openai_error, speaks_openai
 from app.api.security_headers import security_headers
 from app.errors import TuneyardError, bearer_challenge, problems_from_pydantic
 
@@ -58,6 +61,9 @@ def _error(
         # RFC 9110 §11.6.1: every 401 names the scheme the client should authenticate with.
         sent = bearer_token(request) is not None
         headers.setdefault("WWW-Authenticate", bearer_challenge(credentials_sent=sent))
+    if speaks_openai(request):
+        status_code, body = openai_error(status_code, error, detail)
+        return JSONResponse(body, status_code=status_code, headers=headers)
     return JSONResponse(
         {"error": error, "detail": detail}, status_code=status_code, headers=headers
     )

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Form, Request, Security, UploadFile, status
+from fastapi import APIRouter, Form, Query, Request, Security, UploadFile, status
+from pydantic import AfterValidator
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.body_limit import UploadLimitedRoute
 from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, app_state, is_sqlite
+from app.api.openai_compat import speaks_openai
 from app.db import transaction
+from app.models import File
 from app.schemas.errors import error_responses
-from app.schemas.file_view import FileView
+from app.schemas.file_view import FileList, FileView
+from app.schemas.openai_shapes import FileDeleted, OpenAIFile, OpenAIFileList
 from app.schemas.security_schemes import api_key
 from app.services import files
-from app.services.file_checks import checks_for
+from app.services.file_checks import RecordChecks, checks_for
+from contract.bounds import refuse_nul
 from contract.datasets import Purpose
 
 router = APIRouter(
@@ -36,7 +41,7 @@ T = TypeVar("T")
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    response_model=FileView,
+    response_model=FileView | OpenAIFile,
     summary="Upload a dataset file",
     description=(
         "Every record is parsed and checked for the fields its `purpose` needs before the "
@@ -59,7 +64,7 @@ async def upload_file(
     file: UploadFile,
     settings: SettingsDep,
     principal: CurrentPrincipal,
-    purpose: Annotated[Purpose, Form()] = "text",
+    purpose: Annotated[Purpose | Literal["fine-tune"], Form()] = "text",
     text_field: Annotated[str, Form(min_length=1)] = "text",
     text_pair_field: Annotated[str | None, Form()] = None,
     label_field: Annotated[str, Form(min_length=1)] = "label",
@@ -68,20 +73,22 @@ async def upload_file(
     messages_field: Annotated[str, Form(min_length=1)] = "messages",
     chosen_field: Annotated[str, Form(min_length=1)] = "chosen",
     rejected_field: Annotated[str, Form(min_length=1)] = "rejected",
-) -> FileView:
+) -> FileView | OpenAIFile:
     # No SessionDep: its write transaction (and on SQLite the one writer's lock) would be
     # held while the file is copied and checked. Only the insert runs in a transaction.
-    checks = checks_for(
-        purpose,
-        text_field=text_field,
-        text_pair_field=text_pair_field,
-        label_field=label_field,
-        prompt_field=prompt_field,
-        completion_field=completion_field,
-        messages_field=messages_field,
-        chosen_field=chosen_field,
-        rejected_field=rejected_field,
-    )
+    def checks(kind: Purpose) -> RecordChecks:
+        return checks_for(
+            kind,
+            text_field=text_field,
+            text_pair_field=text_pair_field,
+            label_field=label_field,
+            prompt_field=prompt_field,
+            completion_field=completion_field,
+            messages_field=messages_field,
+            chosen_field=chosen_field,
+            rejected_field=rejected_field,
+        )
+
     state = app_state(request)
     storage_dir = settings.uploads_dir
     await _admitted(
@@ -96,7 +103,8 @@ async def upload_file(
             stream=file.file,
             storage_dir=storage_dir,
             max_bytes=settings.max_upload_bytes,
-            checks=checks,
+            purpose=purpose,
+            checks_for=checks,
         )
     )
     # Shielded: a cancellation between the commit and the rename would leave the row
@@ -104,24 +112,27 @@ async def upload_file(
     with anyio.CancelScope(shield=True):
         try:
             async with _one_writer(request):
-                view = await _admitted(
-                    request,
-                    lambda: _record(state.session_factory, received, principal.id, purpose),
+                row = await _admitted(
+                    request, lambda: _record(state.session_factory, received, principal.id)
                 )
         except BaseException:
             files.discard_upload(received)
             raise
         await anyio.to_thread.run_sync(files.publish_upload, received)
-    return view
+    return _view(request, row)
 
 
-def _record(
-    factory: sessionmaker[Session], received: files.ReceivedUpload, owner_id: str, purpose: Purpose
-) -> FileView:
+def _view(request: Request, row: File) -> FileView | OpenAIFile:
+    """tuneyard's view of a file, or OpenAI's for its clients (app/api/openai_compat.py)."""
+    return OpenAIFile.of(row) if speaks_openai(request) else FileView.of(row)
+
+
+def _record(factory: sessionmaker[Session], received: files.ReceivedUpload, owner_id: str) -> File:
     with transaction(factory) as session:
-        return FileView.of(
-            files.record_upload(session, upload=received, owner_id=owner_id, purpose=purpose)
-        )
+        row = files.record_upload(session, upload=received, owner_id=owner_id)
+    # Read after the commit: the row's attributes stay loaded (expire_on_commit is off) or
+    # are refreshed here, on this thread, never on the event loop.
+    return row
 
 
 @asynccontextmanager
@@ -147,8 +158,77 @@ async def _admitted(request: Request, work: Callable[[], T]) -> T:
 
 
 @router.get(
+    "",
+    response_model=FileList | OpenAIFileList,
+    summary="List your uploaded files",
+    description="Newest first. `after` (or `cursor`): the last id of the previous page. "
+    "OpenAI's SDKs get OpenAI's file objects.",
+    responses=error_responses(
+        {
+            401: _UNAUTHORIZED,
+            404: "`after` names no file of yours",
+            422: "A parameter breaks a rule; `detail` names it and the rule",
+        }
+    ),
+)
+def list_files(
+    request: Request,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    after: Annotated[str | None, Query(max_length=64), AfterValidator(refuse_nul)] = None,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=64, description="The same as `after`"),
+        AfterValidator(refuse_nul),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=files.MAX_PAGE)] = 20,
+    purpose: Annotated[str | None, Query(max_length=32)] = None,
+) -> FileList | OpenAIFileList:
+    # `purpose` filters nothing: every file here is a fine-tuning dataset (OpenAI's SDK
+    # sends purpose="fine-tune").
+    rows, has_more = files.list_files(
+        session, owner_id=principal.id, after=after or cursor, limit=limit
+    )
+    last = rows[-1].id if rows else None
+    if speaks_openai(request):
+        return OpenAIFileList(
+            data=[OpenAIFile.of(r) for r in rows],
+            has_more=has_more,
+            first_id=rows[0].id if rows else None,
+            last_id=last,
+        )
+    return FileList(
+        data=[FileView.of(r) for r in rows],
+        has_more=has_more,
+        next_cursor=last if has_more else None,
+    )
+
+
+@router.delete(
     "/{file_id}",
-    response_model=FileView,
+    response_model=FileDeleted,
+    summary="Delete an uploaded file that no unfinished run reads",
+    responses=error_responses(
+        {
+            401: _UNAUTHORIZED,
+            404: "No such file (or not yours)",
+            409: "A queued or running run reads the file",
+            422: "A parameter breaks a rule; `detail` names it and the rule",
+        }
+    ),
+)
+def delete_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> FileDeleted:
+    path = files.delete_file(session, file_id=file_id, owner_id=principal.id)
+    # The row goes with this commit, the bytes after it: a crash in between leaves only
+    # unreferenced bytes, never a row without its file.
+    session.commit()
+    path.unlink(missing_ok=True)
+    return FileDeleted(id=file_id, deleted=True)
+
+
+@router.get(
+    "/{file_id}",
+    response_model=FileView | OpenAIFile,
     summary="Get an uploaded file's record",
     responses=error_responses(
         {
@@ -158,5 +238,7 @@ async def _admitted(request: Request, work: Callable[[], T]) -> T:
         }
     ),
 )
-def get_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> FileView:
-    return FileView.of(files.get_file(session, file_id=file_id, owner_id=principal.id))
+def get_file(
+    file_id: str, request: Request, session: SessionDep, principal: CurrentPrincipal
+) -> FileView | OpenAIFile:
+    return _view(request, files.get_file(session, file_id=file_id, owner_id=principal.id))

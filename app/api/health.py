@@ -19,7 +19,7 @@ router = APIRouter(tags=["health"])
     description="Always 200 while the service answers, without an API key; `status` says "
     "whether the database and Ray are usable. It has no error responses of its own.",
 )
-def healthz(session: SessionDep, jobs: JobsDep) -> dict:
+def get_health(session: SessionDep, jobs: JobsDep) -> dict:
     try:
         session.execute(text("SELECT 1"))
         database = "ok"

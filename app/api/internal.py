@@ -29,8 +29,14 @@ async def verified_token(run_id: str, request: Request) -> str:
 # Declared before SessionDep in each route: FastAPI solves dependencies in that order.
 VerifiedToken = Annotated[str, Depends(verified_token)]
 
+# Served, but not in the public OpenAPI document: only tuneyard's own worker calls these
+# (app/services/callbacks.py checks its per-run token), and a client generated from the
+# document should not grow methods that no client may use.
 router = APIRouter(
-    prefix="/v1/internal/runs", tags=["worker callbacks"], dependencies=[Security(run_token)]
+    prefix="/v1/internal/runs",
+    tags=["worker callbacks"],
+    dependencies=[Security(run_token)],
+    include_in_schema=False,
 )
 
 _errors = error_responses(

@@ -18,5 +18,5 @@ router = APIRouter(tags=["health"])
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
-def prometheus_metrics(metrics: MetricsDep) -> Response:
+def get_prometheus_metrics(metrics: MetricsDep) -> Response:
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -217,7 +217,7 @@ async def get_run(run_id: RunId, request: Request, principal: CurrentPrincipal) 
 @router.get(
     "/{run_id}/metrics", response_model=MetricList, summary="A run's metrics", responses=_errors
 )
-def get_metrics(
+def list_metrics(
     run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,
@@ -239,7 +239,7 @@ def get_metrics(
     summary="A run's checkpoints (DeepSpeed and exported HF models)",
     responses=_errors,
 )
-def get_checkpoints(
+def list_checkpoints(
     run_id: RunId, session: SessionDep, principal: CurrentPrincipal
 ) -> CheckpointList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
@@ -254,7 +254,7 @@ def get_checkpoints(
     summary="A run's status changes and notable happenings, oldest first",
     responses=_errors,
 )
-def get_events(
+def list_events(
     run_id: RunId,
     session: SessionDep,
     principal: CurrentPrincipal,

@@ -25,9 +25,13 @@ class ErrorResponse(BaseModel):
 
 
 def error_responses(
-    descriptions: dict[int, str], *, non_json_route: bool = False
+    descriptions: dict[int, str],
+    *,
+    non_json_route: bool = False,
+    model: type[BaseModel] = ErrorResponse,
 ) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses=` for the given statuses, each documented with `ErrorResponse`.
+    """FastAPI `responses=` for the given statuses, each documented with `ErrorResponse`
+    (or `model`: OpenAI's routes answer in OpenAI's error shape).
 
     FastAPI files a response `model` under the route's own media type; a route that answers
     in plain text still answers errors in JSON, so it refers to the schema by name instead
@@ -39,7 +43,7 @@ def error_responses(
         if non_json_route:
             response["content"] = {"application/json": {"schema": {"$ref": _ERROR_RESPONSE_REF}}}
         else:
-            response["model"] = ErrorResponse
+            response["model"] = model
         if code == 401:
             response["headers"] = _CHALLENGE_HEADER
         responses[code] = response

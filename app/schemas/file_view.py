@@ -33,3 +33,10 @@ class FileView(BaseModel):
             fields=f.fields,
             created_at=as_utc(f.created_at),
         )
+
+
+class FileList(BaseModel):
+    object: str = "list"
+    data: list[FileView]
+    has_more: bool
+    next_cursor: str | None

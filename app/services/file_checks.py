@@ -131,6 +131,33 @@ def check_file(
     return report
 
 
+# OpenAI's purpose for every fine-tuning file; the records say which kind they are.
+FINE_TUNE = "fine-tune"
+
+
+def detect_purpose(path: Path, *, fmt: str) -> Purpose | None:
+    """What an upload with OpenAI's purpose "fine-tune" holds, from its first record, as
+    OpenAI tells its formats apart: chat (`messages`), preference pairs (`prompt`,
+    `chosen`, `rejected`: DPO), prompt/completion pairs, or plain `text`; None when the
+    first record is none of these (or cannot be read)."""
+    try:
+        first = next(iter(_records(path, fmt, FileReport())), None)
+    except (ValueError, OSError, csv.Error, RecursionError):
+        return None
+    if first is None:
+        return None
+    record = first[1]
+    if "messages" in record:
+        return "chat"
+    if {"prompt", "chosen", "rejected"} <= record.keys():
+        return "preference"
+    if {"prompt", "completion"} <= record.keys():
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None
+
+
 def _record_problems(record: dict[str, Any], checks: RecordChecks) -> Iterator[str]:
     for name in checks.required:
         if problem := _field_problem(record, name, is_label=name == checks.label_field):

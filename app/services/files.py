@@ -26,13 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import BinaryIO
+from typing import BinaryIO, Literal, cast
 
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.errors import NotFound, PayloadTooLarge, ValidationFailed, field_problem
-from app.models import File, new_id
-from app.services.file_checks import RecordChecks, check_file
+from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed, field_problem
+from app.models import File, Run, new_id
+from app.services.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
+from app.status import TERMINAL_STATUSES
 from contract.datasets import FILE_FORMATS, Purpose, file_format
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,12 @@ class ReceivedUpload:
     fields: list[str]
     partial: Path
     final: Path
+    # What it was checked for: the purpose asked for, or the one "fine-tune" resolved to.
+    purpose: Purpose
+
+
+# The checks for a purpose, as the route builds them from its form fields.
+ChecksFor = Callable[[Purpose], RecordChecks]
 
 
 def safe_filename(raw: str | None) -> str:
@@ -87,10 +95,12 @@ def receive_upload(
     stream: BinaryIO,
     storage_dir: Path,
     max_bytes: int,
-    checks: RecordChecks,
+    purpose: Purpose | Literal["fine-tune"],
+    checks_for: ChecksFor,
 ) -> ReceivedUpload:
-    """Copy `stream` into a partial file under `storage_dir` and check every record; on any
-    problem the partial file is removed and the problem raised."""
+    """Copy `stream` into a partial file under `storage_dir` and check every record for
+    `purpose` (OpenAI's "fine-tune": for the kind its first record is); on any problem the
+    partial file is removed and the problem raised."""
     fmt = file_format(filename)
     if fmt is None:
         raise ValidationFailed(
@@ -109,7 +119,23 @@ def receive_upload(
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     try:
         size = _copy_limited(stream, partial, max_bytes)
-        report = check_file(partial, fmt=fmt.name, checks=checks)
+        kind = (
+            detect_purpose(partial, fmt=fmt.name)
+            if purpose == FINE_TUNE
+            else cast(Purpose, purpose)  # every other value the form takes is a Purpose
+        )
+        if kind is None:
+            raise ValidationFailed(
+                [
+                    field_problem(
+                        "file",
+                        "a fine-tune file holds chat records ('messages'), preference pairs "
+                        "('prompt', 'chosen', 'rejected') or prompt/completion pairs "
+                        "('prompt', 'completion'); its first record is none of these",
+                    )
+                ]
+            )
+        report = check_file(partial, fmt=fmt.name, checks=checks_for(kind))
         if report.errors:
             more = [f"… and {report.more_errors} more"] if report.more_errors else []
             raise ValidationFailed(
@@ -127,18 +153,17 @@ def receive_upload(
         fields=report.fields,
         partial=partial,
         final=final,
+        purpose=kind,
     )
 
 
-def record_upload(
-    session: Session, *, upload: ReceivedUpload, owner_id: str, purpose: Purpose
-) -> File:
+def record_upload(session: Session, *, upload: ReceivedUpload, owner_id: str) -> File:
     row = File(
         id=upload.id,
         owner_id=owner_id,
         filename=upload.filename,
         format=upload.format,
-        purpose=purpose,
+        purpose=upload.purpose,
         bytes=upload.bytes,
         records=upload.records,
         fields=upload.fields,
@@ -164,6 +189,55 @@ def get_file(session: Session, *, file_id: str, owner_id: str) -> File:
     if upload is None or upload.owner_id != owner_id:
         raise NotFound(f"file {file_id} not found")
     return upload
+
+
+MAX_PAGE = 100
+
+
+def list_files(
+    session: Session, *, owner_id: str, after: str | None, limit: int
+) -> tuple[list[File], bool]:
+    """The owner's files, newest first; `after` is the last file id of the previous page."""
+    query = select(File).where(File.owner_id == owner_id)
+    if after is not None:
+        last = get_file(session, file_id=after, owner_id=owner_id)
+        query = query.where(
+            or_(
+                File.created_at < last.created_at,
+                and_(File.created_at == last.created_at, File.id < last.id),
+            )
+        )
+    limit = max(1, min(limit, MAX_PAGE))
+    rows = list(
+        session.scalars(query.order_by(File.created_at.desc(), File.id.desc()).limit(limit + 1))
+    )
+    return rows[:limit], len(rows) > limit
+
+
+def _sources(run: Run) -> tuple[str | None, str | None]:
+    dataset = run.spec["dataset"]
+    return dataset.get("source"), dataset.get("eval_source")
+
+
+def delete_file(session: Session, *, file_id: str, owner_id: str) -> Path:
+    """Remove a file's row; returns its path, for the caller to remove once that commits.
+    A file that a queued or live run reads is refused: the run would fail when it opens
+    it. (A finished run keeps only the path: resuming it after the delete fails, saying
+    the file is gone.)"""
+    upload = get_file(session, file_id=file_id, owner_id=owner_id)
+    live = session.scalars(
+        select(Run).where(Run.owner_id == owner_id, Run.status.not_in(TERMINAL_STATUSES))
+    )
+    users = [run.id for run in live if upload.path in _sources(run)]
+    if users:
+        raise Conflict(
+            f"file {file_id} is read by run {users[0]}"
+            + (f" and {len(users) - 1} more" if len(users) > 1 else "")
+            + ", which has not finished; cancel it or wait for it to end"
+        )
+    session.delete(upload)
+    session.flush()
+    return Path(upload.path)
 
 
 _last_sweep: dict[Path, float] = {}

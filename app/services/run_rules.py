@@ -124,11 +124,13 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
             "training.warmup_steps",
             f"warmup_steps ({tr.warmup_steps}) exceeds max_steps ({tr.max_steps})",
         )
-    if is_local_source(data.source) or is_uploaded(data.source):
-        for name in ("split", "eval_split"):
-            value = getattr(data, name)
-            if value is not None and (problem := local_split_problem(name, value)):
-                add(f"dataset.{name}", problem)
+    # A local or uploaded file has one split, "train" (sliced as "train[:90%]"); eval_split
+    # names a split of eval_source when there is one.
+    for name, source in (("split", data.source), ("eval_split", data.eval_source or data.source)):
+        value = getattr(data, name)
+        local = is_local_source(source) or is_uploaded(source)
+        if value is not None and local and (problem := local_split_problem(name, value)):
+            add(f"dataset.{name}", problem)
     problems.extend(method_problems(req))
     if req.task == "sequence_classification":
         if data.label_field is None:
@@ -339,15 +341,41 @@ def _check_dataset(
     owner_id: str,
     allowed_roots: Sequence[Path],
 ) -> None:
-    source = request.dataset.source
-    name = "dataset.source"
+    for key in ("source", "eval_source"):
+        source = getattr(request.dataset, key)
+        if source is not None:
+            _check_source(
+                session,
+                request,
+                checked,
+                key=key,
+                source=source,
+                owner_id=owner_id,
+                allowed_roots=allowed_roots,
+            )
+
+
+def _check_source(
+    session: Session,
+    request: RunRequest,
+    checked: CheckedRequest,
+    *,
+    key: str,
+    source: str,
+    owner_id: str,
+    allowed_roots: Sequence[Path],
+) -> None:
+    """One of the dataset's sources (`key`: "source" or "eval_source"): an uploaded file
+    of the caller's, a local path inside the roots, or a hub id; resolved in the spec."""
+    name = f"dataset.{key}"
     if is_uploaded(source):
         upload = session.get(File, source)
         if upload is None or upload.owner_id != owner_id:
             checked.problems.append(field_problem(name, f"no uploaded file {source!r}"))
             return
-        checked.spec["dataset"]["source"] = upload.path
-        checked.dataset_records = upload.records
+        checked.spec["dataset"][key] = upload.path
+        if key == "source":
+            checked.dataset_records = upload.records
         fields = fields_read_by(request.task, request.dataset)
         missing = [f.name for f in fields if f.name not in upload.fields]
         if missing:
@@ -368,8 +396,8 @@ def _check_dataset(
         checked.problems.append(field_problem(name, message))
         return
     assert path is not None
-    checked.spec["dataset"]["source"] = str(path)
-    checked.problems.extend(sampled_record_problems(path, request))
+    checked.spec["dataset"][key] = str(path)
+    checked.problems.extend(sampled_record_problems(path, request, field=name))
 
 
 # Records of a local chat or preference file read at validation: enough to catch a file of
@@ -379,7 +407,9 @@ SAMPLED_RECORDS = 1_000
 SAMPLED_ERRORS = 5
 
 
-def sampled_record_problems(path: Path, req: RunRequest) -> list[Problem]:
+def sampled_record_problems(
+    path: Path, req: RunRequest, *, field: str = "dataset.source"
+) -> list[Problem]:
     """The first records of a local chat or preference file, checked by the rules an
     upload for that format is checked by, each problem with its line."""
     ds = req.dataset
@@ -397,11 +427,10 @@ def sampled_record_problems(path: Path, req: RunRequest) -> list[Problem]:
     shown = report.errors[:SAMPLED_ERRORS]
     more = len(report.errors) - len(shown) + report.more_errors
     problems = [
-        field_problem("dataset.source", f"{path.name} is not {ds.format} data: {error}")
-        for error in shown
+        field_problem(field, f"{path.name} is not {ds.format} data: {error}") for error in shown
     ]
     if more:
-        problems.append(field_problem("dataset.source", f"{path.name}: ... and {more} more"))
+        problems.append(field_problem(field, f"{path.name}: ... and {more} more"))
     return problems
 
 

@@ -182,7 +182,7 @@ def list_runs(
     rows = list(
         session.scalars(query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1))
     )
-    next_cursor = _encode_cursor(rows[limit - 1]) if len(rows) > limit else None
+    next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor
 
 
@@ -216,7 +216,7 @@ def _metadata_equals(dialect: str, key: str, value: str) -> ColumnElement[bool]:
     return Run.run_metadata[key].as_string() == value
 
 
-def _encode_cursor(run: Run) -> str:
+def encode_cursor(run: Run) -> str:
     raw = json.dumps([run.created_at.isoformat(), run.id])
     return base64.urlsafe_b64encode(raw.encode()).decode()
 

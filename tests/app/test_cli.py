@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -29,6 +27,7 @@ from app.cli import ExitCode, app
 from app.main import create_app
 from app.ports import free_port
 from app.settings import Settings
+from tests.app.conftest import served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.conftest import make_api_key
 from tests.factories import run_request
@@ -63,32 +62,18 @@ class LiveService:
 
 
 @pytest.fixture
-def live(
-    settings: Settings, session_factory: sessionmaker[Session], unused_tcp_port: int
-) -> Iterator[LiveService]:
+def live(settings: Settings, session_factory: sessionmaker[Session]) -> Iterator[LiveService]:
     api = create_app(settings, start_background=False)
     ray = ScriptedRay()
     api.state.tuneyard.jobs = ray
-    server = uvicorn.Server(
-        uvicorn.Config(api, host="127.0.0.1", port=unused_tcp_port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
+    with served(api) as url:
         yield LiveService(
-            url=f"http://127.0.0.1:{unused_tcp_port}",
+            url=url,
             key=make_api_key(session_factory),
             ray=ray,
             settings=settings,
             session_factory=session_factory,
         )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture

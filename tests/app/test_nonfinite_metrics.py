@@ -9,7 +9,6 @@ thread died on it.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,14 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.main import create_app
-from app.ports import free_port
 from app.settings import Settings
-from tests.app.conftest import start_run
+from tests.app.conftest import served, start_run
 from tests.conftest import make_api_key
 from worker.service_client import MetricsSender, ServiceClient
 
@@ -173,33 +170,16 @@ def live(
     settings: Settings, session_factory: sessionmaker[Session], tmp_path: Path
 ) -> Iterator[LiveService]:
     """The service on a loopback port (uvicorn in a thread), with one started run."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings, start_background=False),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
     key = make_api_key(session_factory)
-    try:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
-            with TestClient(create_app(settings, start_background=False)) as local:
-                run_id, token = start_run(
-                    local, {"Authorization": f"Bearer {key}"}, tmp_path, settings, session_factory
-                )
-            yield LiveService(url=url, api=api, run_id=run_id, token=token)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with (
+        served(create_app(settings, start_background=False)) as url,
+        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api,
+    ):
+        with TestClient(create_app(settings, start_background=False)) as local:
+            run_id, token = start_run(
+                local, {"Authorization": f"Bearer {key}"}, tmp_path, settings, session_factory
+            )
+        yield LiveService(url=url, api=api, run_id=run_id, token=token)
 
 
 @pytest.fixture

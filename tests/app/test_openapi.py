@@ -3,6 +3,7 @@ examples offered in /docs, and the error shape it documents is the one clients g
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import transaction
 from app.models import Run
 from app.schemas.errors import ErrorResponse
+from app.schemas.openai_shapes import OpenAIError
 from app.services.run_rules import cross_field_problems
 from contract.examples import RUN_REQUEST_EXAMPLES
 from contract.run_request import RunRequest
@@ -21,6 +23,18 @@ from tests.factories import run_request
 
 _METHODS = ("get", "put", "post", "delete", "patch", "options", "head", "trace")
 _ERROR_REF = "#/components/schemas/ErrorResponse"
+# OpenAI's fine-tuning routes answer in OpenAI's error shape, a broken rule as a 400.
+_OPENAI_ERROR_REF = "#/components/schemas/OpenAIError"
+_OPENAI_ROUTES = "/v1/fine_tuning/"
+
+
+def _error_ref(path: str) -> str:
+    return _OPENAI_ERROR_REF if path.startswith(_OPENAI_ROUTES) else _ERROR_REF
+
+
+# The words an operation id may start with: what a client does, said plainly.
+_VERBS = {"create", "validate", "list", "get", "update", "delete", "upload", "stream"}
+_VERBS |= {"cancel", "pause", "resume"}  # a run's or a job's controls
 # They take no input and need no key: they always answer 200 (a degraded /healthz says so
 # in its body), so they have no error to document.
 _NO_ERRORS = {("get", "/healthz"), ("get", "/metrics")}
@@ -93,10 +107,11 @@ class TestDocument:
         for method, path, operation in _operations(document):
             if not operation.get("parameters") and "requestBody" not in operation:
                 continue
-            response = operation["responses"].get("422")
+            rule_broken = "400" if path.startswith(_OPENAI_ROUTES) else "422"
+            response = operation["responses"].get(rule_broken)
             assert response is not None, f"{method.upper()} {path}"
             schema = response["content"]["application/json"]["schema"]
-            assert schema == {"$ref": _ERROR_REF}, f"{method.upper()} {path}"
+            assert schema == {"$ref": _error_ref(path)}, f"{method.upper()} {path}"
 
     def test_every_authenticated_operation_documents_its_401_challenge(
         self, document: dict[str, Any]
@@ -115,9 +130,9 @@ class TestDocument:
     def test_every_error_response_has_the_error_shape(self, document: dict[str, Any]) -> None:
         for method, path, operation in _operations(document):
             for status, response in operation["responses"].items():
-                if status.startswith(("4", "5")):
+                if status.startswith(("4", "5")) or status == "default":
                     schema = response["content"]["application/json"]["schema"]
-                    assert schema == {"$ref": _ERROR_REF}, f"{method.upper()} {path} {status}"
+                    assert schema == {"$ref": _error_ref(path)}, f"{method.upper()} {path}"
                     assert response["description"], f"{method.upper()} {path} {status}"
         # FastAPI's own 422 body (`{"detail": [{"loc": ...}]}`) is not what tuneyard sends.
         assert "HTTPValidationError" not in document["components"]["schemas"]
@@ -133,9 +148,6 @@ class TestDocument:
         assert {"401", "413", "422"} <= statuses("post", "/v1/files")
         assert {"401", "404"} <= statuses("get", "/v1/files/{file_id}")
         assert "404" not in statuses("get", "/v1/runs")  # a list is never missing
-        for path in ("/status", "/metrics", "/checkpoints", "/events"):
-            # An unknown run is a 401 there, like a wrong token: no oracle of run ids.
-            assert {"401", "409", "422"} <= statuses("post", f"/v1/internal/runs/{{run_id}}{path}")
 
     def test_declares_the_credentials_each_route_takes(self, document: dict[str, Any]) -> None:
         """So that /docs can send them: its "Authorize" button lists these schemes."""
@@ -145,16 +157,71 @@ class TestDocument:
             "scheme": "bearer",
             "description": schemes["APIKey"]["description"],
         }
-        assert schemes["RunToken"]["scheme"] == "bearer"
+        # The run token is the worker callbacks' only, and they are not in the document.
+        assert set(schemes) == {"APIKey"}
         for method, path, operation in _operations(document):
-            expected = (
-                None
-                if (method, path) in _NO_ERRORS
-                else [{"RunToken": []}]
-                if path.startswith("/v1/internal/")
-                else [{"APIKey": []}]
-            )
+            expected = None if (method, path) in _NO_ERRORS else [{"APIKey": []}]
             assert operation.get("security") == expected, f"{method.upper()} {path}"
+
+    def test_operation_ids_are_plain_verbs(self, document: dict[str, Any]) -> None:
+        """What a generated client calls: the endpoint's name, never FastAPI's default that
+        spells out path and method (`create_run_v1_runs_post`)."""
+        ids = {
+            (method, path): operation["operationId"]
+            for method, path, operation in _operations(document)
+        }
+        assert {
+            ("post", "/v1/runs"): "create_run",
+            ("post", "/v1/runs/validate"): "validate_run",
+            ("get", "/v1/runs"): "list_runs",
+            ("get", "/v1/runs/{run_id}"): "get_run",
+            ("post", "/v1/runs/{run_id}/cancel"): "cancel_run",
+            ("post", "/v1/runs/{run_id}/resume"): "resume_run",
+            ("get", "/v1/runs/{run_id}/metrics"): "list_metrics",
+            ("get", "/v1/runs/{run_id}/checkpoints"): "list_checkpoints",
+            ("get", "/v1/runs/{run_id}/events"): "list_events",
+            ("get", "/v1/runs/{run_id}/events/stream"): "stream_events",
+            ("get", "/v1/runs/{run_id}/logs"): "get_logs",
+            ("post", "/v1/files"): "upload_file",
+            ("get", "/v1/files/{file_id}"): "get_file",
+            ("get", "/healthz"): "get_health",
+            ("get", "/metrics"): "get_prometheus_metrics",
+        }.items() <= ids.items()
+        for (method, path), operation_id in ids.items():
+            verb, *_ = operation_id.split("_")
+            assert re.fullmatch(r"[a-z]+(_[a-z0-9]+)*", operation_id), operation_id
+            assert verb in _VERBS, f"{method.upper()} {path}: {operation_id}"
+            assert not operation_id.endswith(f"_{method}"), operation_id
+
+    def test_operation_ids_are_unique(self, document: dict[str, Any]) -> None:
+        """Two operations of one id would be one function in a generated client. Route names
+        are the ids, and nothing else keeps two routers from reusing a name."""
+        ids = [operation.get("operationId") for _, _, operation in _operations(document)]
+        assert None not in ids
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        assert duplicates == []
+
+    def test_schema_names_are_plain(self, document: dict[str, Any]) -> None:
+        """Two models of one name are filed under their module paths
+        (`contract__run_request__DpoMethod`), which client generators turn back into one
+        class name: a clash that drops every schema using either."""
+        qualified = [name for name in document["components"]["schemas"] if "__" in name]
+        assert qualified == []
+
+    def test_an_upload_is_a_binary_string(self, document: dict[str, Any]) -> None:
+        """OpenAPI 3.1's `contentMediaType`, and 3.0's `format: binary` that most client
+        generators still look for: without it they send the file as a text field."""
+        schema = document["paths"]["/v1/files"]["post"]["requestBody"]["content"][
+            "multipart/form-data"
+        ]["schema"]
+        name = schema["$ref"].removeprefix("#/components/schemas/")
+        upload = document["components"]["schemas"][name]["properties"]["file"]
+        assert upload == {
+            "type": "string",
+            "contentMediaType": "application/octet-stream",
+            "format": "binary",
+            "title": "File",
+        }
 
     def test_the_run_request_schema_has_the_tutorial_examples(
         self, document: dict[str, Any]
@@ -274,41 +341,62 @@ class TestStatusesAsDocumented:
     ) -> None:
         checked = 0
         for method, path, operation in _operations(document):
-            url = path.format(run_id="run_nope", file_id="file_nope")
+            url = path.format(run_id="run_nope", file_id="file_nope", job_id="run_nope")
             for headers, params, content in _provocations(operation, auth):
                 response = client.request(
                     method, url, headers=headers, params=params, content=content
                 )
                 where = f"{method.upper()} {url} {params} {content!r:.40}: {response.status_code}"
-                documented = operation["responses"].get(str(response.status_code))
+                responses = operation["responses"]
+                documented = responses.get(str(response.status_code)) or responses.get("default")
                 assert documented is not None, where
                 if response.status_code >= 400:
-                    ErrorResponse.model_validate(response.json())
+                    shape = OpenAIError if path.startswith(_OPENAI_ROUTES) else ErrorResponse
+                    shape.model_validate(response.json())
                 for header in documented.get("headers", {}):
                     assert header in response.headers, f"{where} lacks {header}"
                 checked += 1
         assert checked > 50  # the provocations really ran
 
-    def test_a_refused_run_token_is_a_documented_401(
+
+class TestWorkerCallbacksUndocumented:
+    """The worker's callbacks are served, but the public document does not show them: only
+    tuneyard's worker, holding a run's token, may call them."""
+
+    def test_no_callback_is_in_the_document(self, document: dict[str, Any]) -> None:
+        assert [path for path in document["paths"] if path.startswith("/v1/internal")] == []
+        assert "RunToken" not in document["components"]["securitySchemes"]
+        tags = {t for _, _, operation in _operations(document) for t in operation["tags"]}
+        assert "worker callbacks" not in tags
+
+    def test_a_callback_still_works(
         self,
         client: TestClient,
         auth: dict[str, str],
         document: dict[str, Any],
-        tmp_path: Path,
+        started: tuple[str, dict[str, str]],
     ) -> None:
-        """A wrong token on a real run: the callbacks' 401, with its challenge."""
-        run = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()
-        for path in ("/status", "/metrics", "/checkpoints", "/events"):
-            template = f"/v1/internal/runs/{{run_id}}{path}"
-            response = client.post(
-                template.format(run_id=run["id"]),
-                json={"attempt": 1},
-                headers={"Authorization": "Bearer not-the-run-token"},
-            )
-            assert response.status_code == 401, response.text
-            documented = document["paths"][template]["post"]["responses"]["401"]
-            for header in documented["headers"]:
-                assert header in response.headers, f"{path} lacks {header}"
+        run_id, worker = started
+        posted = client.post(
+            f"/v1/internal/runs/{run_id}/status",
+            json={"attempt": 1, "status": "running"},
+            headers=worker,
+        )
+        assert posted.status_code == 200, posted.text
+        assert posted.json() == {"status": "running"}
+        assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "running"
+
+        # A refused token is a 401 with the challenge every documented 401 carries.
+        refused = client.post(
+            f"/v1/internal/runs/{run_id}/metrics",
+            json={"attempt": 1, "points": []},
+            headers={"Authorization": "Bearer not-the-run-token"},
+        )
+        assert refused.status_code == 401, refused.text
+        assert ErrorResponse.model_validate(refused.json()).error == "unauthorized"
+        documented = document["paths"]["/v1/runs/{run_id}"]["get"]["responses"]["401"]
+        for header in documented["headers"]:
+            assert header in refused.headers
 
 
 def _provocations(

@@ -60,8 +60,26 @@ def test_latest_holds_the_last_logged_step_in_full() -> None:
     assert latest["learning_rate"] == 0.2
     assert latest["tokens_per_second"] == 200.0
     assert latest["samples_per_second"] == 8.0
+    assert latest["tokens"] == 100.0  # this step's, with no unlogged steps before it
     assert latest["grad_norm"] == 2.0
     assert latest["cpu_seconds_per_step"] >= 0.0
+    sinks.close()
+
+
+def test_tokens_count_the_unlogged_steps_since_the_last_logged_one() -> None:
+    sinks, engine = _sinks(), _Engine()
+    sinks.log_step(
+        engine,
+        step=3,
+        epoch=0.5,
+        elapsed=0.5,
+        result=StepResult(loss=torch.tensor(1.0), tokens=100, samples=4),
+        total_steps=3,
+        tokens_since_log=250,
+    )
+    latest = sinks.latest
+    assert latest["tokens"] == 250.0
+    assert latest["tokens_per_second"] == 200.0  # still this step's rate
     sinks.close()
 
 
