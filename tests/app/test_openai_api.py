@@ -115,6 +115,31 @@ class TestFiles:
             client.files.create(file=odd, purpose="fine-tune")
         assert "chat records ('messages')" in refused.value.message
 
+    @pytest.mark.parametrize(
+        ("record", "kind"),
+        [
+            (CHAT[0], "chat"),
+            ({"prompt": "2+2=", "completion": " 4"}, "prompt_completion"),
+            ({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "preference"),
+        ],
+    )
+    def test_a_fine_tune_file_is_checked_as_what_its_records_are(
+        self,
+        client: openai.OpenAI,
+        live: tuple[str, str],
+        tmp_path: Path,
+        record: dict[str, Any],
+        kind: str,
+    ) -> None:
+        uploaded = client.files.create(
+            file=_jsonl(tmp_path / "data.jsonl", [record]), purpose="fine-tune"
+        )
+        url, key = live
+        view = httpx.get(
+            f"{url}/v1/files/{uploaded.id}", headers={"Authorization": f"Bearer {key}"}
+        ).json()
+        assert view["purpose"] == kind and view["fields"] == list(record)
+
     def test_tuneyard_clients_keep_tuneyard_shapes(
         self, live: tuple[str, str], chat_file: Any
     ) -> None:
