@@ -20,6 +20,11 @@ class FileView(BaseModel):
     records: int
     fields: list[str]
     created_at: datetime
+    # OpenAI's file fields where they do not clash with tuneyard's: every stored file was
+    # checked whole, and none expires.
+    status: str = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
 
     @classmethod
     def of(cls, f: File) -> FileView:

@@ -158,12 +158,27 @@ class OpenAIFile(BaseModel):
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    # tuneyard's fields where they do not clash with OpenAI's: what the records were
+    # checked as (tuneyard's `purpose`), and what the check found.
+    dataset_format: str
+    format: str
+    records: int
+    fields: list[str]
 
     @classmethod
     def of(cls, f: File) -> OpenAIFile:
         created = as_utc(f.created_at)
         assert created is not None
-        return cls(id=f.id, bytes=f.bytes, created_at=int(created.timestamp()), filename=f.filename)
+        return cls(
+            id=f.id,
+            bytes=f.bytes,
+            created_at=int(created.timestamp()),
+            filename=f.filename,
+            dataset_format=f.purpose,
+            format=f.format,
+            records=f.records,
+            fields=f.fields,
+        )
 
 
 class OpenAIFileList(BaseModel):

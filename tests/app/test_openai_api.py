@@ -77,6 +77,9 @@ class TestFiles:
         assert chat_file.filename == "chat.jsonl" and chat_file.status == "processed"
         assert isinstance(chat_file.created_at, int)
         assert chat_file.bytes == (tmp_path / "chat.jsonl").stat().st_size
+        # tuneyard's own fields ride along for those who read them.
+        extra = chat_file.model_extra or {}
+        assert extra["dataset_format"] == "chat" and extra["records"] == 2
         assert client.files.retrieve(chat_file.id).id == chat_file.id
 
         second = client.files.create(
@@ -147,6 +150,7 @@ class TestFiles:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
             view = http.get(f"/v1/files/{chat_file.id}").json()
             assert view["purpose"] == "chat" and view["records"] == 2
+            assert view["status"] == "processed"  # OpenAI's field beside tuneyard's
             assert view["created_at"].endswith(("Z", "+00:00"))  # ISO 8601
             listed = http.get("/v1/files", params={"limit": 1}).json()
             assert listed["data"][0]["id"] == chat_file.id and listed["next_cursor"] is None
