@@ -8,7 +8,16 @@ from typing import Annotated, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Form, Query, Request, Security, UploadFile, status
+from fastapi import (
+    APIRouter,
+    BackgroundTasks,
+    Form,
+    Query,
+    Request,
+    Security,
+    UploadFile,
+    status,
+)
 from pydantic import AfterValidator
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -217,12 +226,13 @@ def list_files(
         }
     ),
 )
-def delete_file(file_id: str, session: SessionDep, principal: CurrentPrincipal) -> FileDeleted:
+def delete_file(
+    file_id: str, session: SessionDep, principal: CurrentPrincipal, background: BackgroundTasks
+) -> FileDeleted:
     path = files.delete_file(session, file_id=file_id, owner_id=principal.id)
-    # The row goes with this commit, the bytes after it: a crash in between leaves only
-    # unreferenced bytes, never a row without its file.
-    session.commit()
-    path.unlink(missing_ok=True)
+    # Background tasks run after the request's commit: the row goes first, the bytes after
+    # it, so a crash in between leaves only unreferenced bytes, never a row without its file.
+    background.add_task(path.unlink, missing_ok=True)
     return FileDeleted(id=file_id, deleted=True)
 
 

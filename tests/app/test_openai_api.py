@@ -6,6 +6,7 @@ stay queued (tests/e2e/test_openai_sdk.py trains one).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def _job(client: openai.OpenAI, model: Path, training_file: str, **kwargs: Any) 
 
 class TestFiles:
     def test_upload_retrieve_list_delete(
-        self, client: openai.OpenAI, chat_file: Any, tmp_path: Path
+        self, client: openai.OpenAI, chat_file: Any, tmp_path: Path, settings: Settings
     ) -> None:
         assert chat_file.object == "file" and chat_file.purpose == "fine-tune"
         assert chat_file.filename == "chat.jsonl" and chat_file.status == "processed"
@@ -93,8 +94,15 @@ class TestFiles:
         # The SDK follows `after` through every page.
         assert [f.id for f in client.files.list(limit=1)] == [second.id, chat_file.id]
 
+        stored = list(settings.uploads_dir.glob(f"{chat_file.id}.*"))
+        assert [p.name for p in stored] == [f"{chat_file.id}.jsonl"]
         deleted = client.files.delete(chat_file.id)
         assert deleted.deleted and deleted.id == chat_file.id
+        # The bytes go too, once the row's removal is committed (just after the answer).
+        deadline = time.monotonic() + 10
+        while stored[0].exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not stored[0].exists()
         with pytest.raises(openai.NotFoundError) as missing:
             client.files.retrieve(chat_file.id)
         assert chat_file.id in missing.value.message
