@@ -31,7 +31,7 @@ from app.schemas.openai_shapes import (
     OpenAIError,
 )
 from app.schemas.security_schemes import api_key
-from app.services import lifecycle, openai_jobs
+from app.services import lifecycle, openai_jobs, runs
 from contract.bounds import refuse_nul
 
 router = APIRouter(
@@ -194,7 +194,7 @@ def resume_fine_tuning_job(
     background: BackgroundTasks,
 ) -> Job:
     run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id, for_update=True)
-    lifecycle.resume(session, run)
+    runs.resume_run(session, run)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
     return openai_jobs.job_view(run, trained_tokens=None)

@@ -310,7 +310,7 @@ def resume_run(
     background: BackgroundTasks,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    lifecycle.resume(session, run)
+    runs.resume_run(session, run)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
     return RunView.of(run, queue_position=runs.queue_position(session, run))

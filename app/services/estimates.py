@@ -278,6 +278,10 @@ def memory_per_worker(
         "optimizer_step_temporaries": line(s.step_temporaries, offloaded=optimizer_offloaded),
         "fp32_master_copy": line(s.master, offloaded=optimizer_offloaded),
         "zero_buckets": line(s.buckets),
+        "reference_model": line(
+            reference_model_bytes(spec, model, width=width),
+            offloaded=ds.offload_params == "cpu",
+        ),
         "activations": line(activation_bytes(spec, model, width=width)),
         "load_time_peak": _load_time_peak(spec, model, width=width),
     }
@@ -413,6 +417,26 @@ def _states(
     )
 
 
+def reference_model_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
+    """DPO's reference (worker/dpo.py): under LoRA the policy with its adapters disabled,
+    nothing more; otherwise a frozen copy in its own inference engine, partitioned like the
+    policy's parameters at ZeRO-3 and whole on every rank at other stages (it has no
+    gradients or optimizer state for ZeRO-1/2 to shard)."""
+    if spec.method.type != "dpo" or spec.lora is not None:
+        return 0
+    psi = model.parameters / spec.deepspeed.tensor_parallel_size
+    if spec.deepspeed.zero_stage == 3:
+        psi /= spec.data_parallel_size
+    return int(width * psi)
+
+
+def rows_per_micro_batch(spec: RunDefinition) -> int:
+    """Sequences in one forward: DPO scores each pair's chosen and rejected answers in one
+    batch of twice the pairs (worker/preference.py)."""
+    pairs = 2 if spec.method.type == "dpo" else 1
+    return spec.training.batch_size_per_worker * pairs
+
+
 def activation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
     """The activations one micro-batch keeps for backward, with the loss's buffers.
 
@@ -439,7 +463,7 @@ def activation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> i
     per_layer = 4 * m.hidden + (attention + mlp) / tp
     # Checkpointing keeps each layer's input and rebuilds one layer at a time.
     kept = m.layers * m.hidden + per_layer if tr.gradient_checkpointing else m.layers * per_layer
-    tokens = tr.batch_size_per_worker * tr.seq_length
+    tokens = rows_per_micro_batch(spec) * tr.seq_length
     hidden_states = tokens * width * (kept + 2 * m.hidden)
     logits = tokens * m.vocab * _logit_bytes(width) if spec.task == "causal_lm" else 0
     return int(hidden_states + logits)
@@ -559,7 +583,23 @@ def _formulas(
             3: f"4 bytes x {psi}/dp: DeepSpeed clones its partition, even in fp32",
         }[stage],
         "zero_buckets": buckets,
-        "activations": f"{checkpointing}; batch {tr.batch_size_per_worker} x seq_length "
+        "reference_model": (
+            "DPO without LoRA: a frozen copy of the starting model, "
+            + (
+                f"{width} bytes x {psi}/dp (partitioned)"
+                if stage == 3
+                else f"{width} bytes x {psi}"
+            )
+            if spec.method.type == "dpo" and spec.lora is None
+            else "none: only DPO without LoRA keeps a reference copy"
+        ),
+        "trainable_parameters": (
+            "LoRA: gradients, optimizer states, their temporaries and the master copy count "
+            "the adapters' parameters only (r x (in + out) per targeted layer), not Ψ"
+            if spec.lora is not None
+            else "every parameter trains"
+        ),
+        "activations": f"{checkpointing}; rows {rows_per_micro_batch(spec)} x seq_length "
         f"{tr.seq_length} tokens; per token and layer 4h + attention (q + 2kv"
         + (" + rotary 2(q + kv)" if model.rotary else "")
         + f" + output 2q) + MLP ({4 if model.gated_mlp else 2}i) elements of {width} bytes"

@@ -256,3 +256,17 @@ def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, in
     )
     rows = session.execute(select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_(ids)))
     return {run_id: int(position) for run_id, position in rows}
+
+
+def resume_run(session: Session, run: Run) -> None:
+    """`lifecycle.resume`, refused while a local file the run reads is gone (an upload
+    deleted since, say): its worker would only fail at once on the cluster."""
+    dataset = run.spec["dataset"]
+    for key in ("source", "eval_source"):
+        path = dataset.get(key)
+        if path and path.startswith("/") and not Path(path).exists():
+            raise Conflict(
+                f"run {run.id} reads dataset.{key} {path!r}, which no longer exists (an "
+                "uploaded file deleted since?); create a new run with the data"
+            )
+    lifecycle.resume(session, run)

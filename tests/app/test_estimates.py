@@ -95,6 +95,7 @@ class TestStages:
             "optimizer_step_temporaries",
             "fp32_master_copy",
             "zero_buckets",
+            "reference_model",
             "activations",
             "load_time_peak",
         }
@@ -367,3 +368,29 @@ class TestLora:
         states = model_states_bytes(lora, PSI, trainable=adapters)
         assert states["optimizer_states"] == 8 * adapters // 2
         assert states["parameters"] == 4 * PSI
+
+
+class TestDpo:
+    def _dpo(self, base: RunDefinition, **change: Any) -> RunDefinition:
+        return RunDefinition.model_validate(
+            {**base.model_dump(), "method": {"type": "dpo"}, **change}
+        )
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_a_full_parameter_run_holds_a_frozen_reference_like_its_parameters(
+        self, stage: int
+    ) -> None:
+        sft = spec_for(stage=stage)
+        lines = breakdown(self._dpo(sft))["lines"]
+        # Whole at ZeRO-2 (as the parameters are), partitioned at ZeRO-3.
+        assert lines["reference_model"] == lines["parameters"]
+        assert total(breakdown(sft)["lines"]["reference_model"]) == 0
+
+    def test_under_lora_the_reference_is_the_policy_itself(self) -> None:
+        dpo = self._dpo(spec_for(stage=2), lora={"r": 8})
+        assert total(breakdown(dpo)["lines"]["reference_model"]) == 0
+
+    def test_each_pair_is_two_rows_of_activations(self) -> None:
+        sft, model = spec_for(stage=2), facts()
+        dpo = self._dpo(sft)
+        assert activation_bytes(dpo, model, width=4) == 2 * activation_bytes(sft, model, width=4)

@@ -302,6 +302,25 @@ class TestJobs:
         assert client.fine_tuning.jobs.pause(job.id).status == "cancelled"
         assert client.fine_tuning.jobs.resume(job.id).status == "queued"
 
+    def test_a_job_whose_file_was_deleted_is_not_resumed(
+        self, client: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+    ) -> None:
+        job = _job(client, tiny_model_dir, chat_file.id)
+        client.fine_tuning.jobs.cancel(job.id)
+        client.files.delete(chat_file.id)
+        deadline = time.monotonic() + 10  # the bytes go just after the answer
+        while time.monotonic() < deadline:
+            try:
+                client.fine_tuning.jobs.resume(job.id)
+            except openai.ConflictError as refused:
+                assert "no longer exists" in refused.message
+                break
+            client.fine_tuning.jobs.cancel(job.id)
+            time.sleep(0.05)
+        else:
+            raise AssertionError("resumed a job whose training file is gone")
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+
     def test_another_key_sees_no_job(
         self,
         client: openai.OpenAI,
