@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from app.main import create_app
 from app.schemas.errors import ErrorResponse
+from app.schemas.openai_shapes import OpenAIError
 from app.services import runs as run_service
 from app.settings import Settings
 from tests.factories import run_request
@@ -43,7 +45,12 @@ def _operations(document: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]
 
 
 def _url(path: str) -> str:
-    return path.format(run_id="run_nope", file_id="file_nope")
+    return path.format(run_id="run_nope", file_id="file_nope", job_id="run_nope")
+
+
+def _error_shape(path: str) -> type[BaseModel]:
+    """OpenAI's routes answer in OpenAI's error shape (app/api/openai_compat.py)."""
+    return OpenAIError if path.startswith("/v1/fine_tuning/") else ErrorResponse
 
 
 class TestUnauthorizedNamesTheScheme:
@@ -110,7 +117,7 @@ class TestMethodNotAllowedListsTheMethods:
                 assert response.status_code == 405, where
                 allowed = {m.strip() for m in response.headers.get("Allow", "").split(",")}
                 assert allowed == methods, where
-                assert ErrorResponse.model_validate(response.json()), where
+                assert _error_shape(path).model_validate(response.json()), where
 
     def test_options_on_the_runs_collection_names_get_and_post(self, client: TestClient) -> None:
         """Two routes share the path; Starlette named only the first one's method."""
