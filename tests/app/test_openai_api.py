@@ -164,6 +164,12 @@ class TestFiles:
             assert listed["data"][0]["id"] == chat_file.id and listed["next_cursor"] is None
             missing = http.get("/v1/files/file_nope")
             assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+            # A client without OpenAI's SDK may ask for OpenAI's shapes itself.
+            opted = {"OpenAI-Shapes": "true"}
+            view = http.get(f"/v1/files/{chat_file.id}", headers=opted).json()
+            assert view["purpose"] == "fine-tune" and view["created_at"] == chat_file.created_at
+            missing = http.get("/v1/files/file_nope", headers=opted)
+            assert missing.json()["error"]["code"] == "not_found"
 
 
 class TestJobs:
