@@ -154,10 +154,6 @@ def export_hf_model(
     return exports
 
 
-def _shown(export: Export) -> tuple[str, str, float]:
-    return export.kind, export.path, export.max_diff
-
-
 def _write_exports(
     engine: Any,
     tokenizer: Any,

@@ -288,7 +288,7 @@ def train_step(
     import torch
 
     from worker import step_loss
-    from worker.data import model_inputs, packs_in_one_row_for
+    from worker.data import model_inputs, packs_in_one_row_for, tokens_in
 
     method = spec.method
     one_row = packs_in_one_row_for(engine.module)
@@ -303,7 +303,7 @@ def train_step(
 
         result.pair_sums = torch.zeros(len(PAIR_METRICS), dtype=torch.float64, device=device)
     for batch, targets in zip(micro_batches, counts, strict=True):
-        result.tokens += int(batch["attention_mask"].sum())
+        result.tokens += tokens_in(batch)
         on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if method.type == "dpo":
             from worker.dpo import dpo_forward
