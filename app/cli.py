@@ -344,6 +344,26 @@ def resume(ctx: typer.Context, run_id: RunIdArg) -> None:
 
 
 @app.command()
+def download(
+    ctx: typer.Context,
+    run_id: RunIdArg,
+    dest: Annotated[
+        Path | None,
+        typer.Argument(help="A new folder for the model; default ./<run id>-model."),
+    ] = None,
+) -> None:
+    """Download a run's exported model into a folder that from_pretrained loads."""
+    target = dest or Path(f"{run_id}-model")
+    with _client(ctx) as client:
+        try:
+            folder = client.download_model(run_id, target)
+        except FileExistsError as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(ExitCode.USAGE) from None
+    out.print(f"{run_id}: model in {folder}")
+
+
+@app.command()
 def checkpoints(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) -> None:
     """A run's checkpoints: DeepSpeed ones and the exported Hugging Face model."""
     with _client(ctx) as client:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import shutil
+import tarfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,17 +40,20 @@ class TuneyardClient:
     def __exit__(self, *_: object) -> None:
         self.http.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise Unreachable(f"cannot reach tuneyard at {self.base_url}: {exc}") from exc
+    def _raise_for(self, response: httpx.Response) -> None:
         if response.is_error:
             try:
                 body = response.json()
             except ValueError:
                 body = {"error": "http_error", "detail": response.text}
             raise ApiError(response.status_code, body.get("error", "error"), body.get("detail"))
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise Unreachable(f"cannot reach tuneyard at {self.base_url}: {exc}") from exc
+        self._raise_for(response)
         return response
 
     def create_run(
@@ -104,3 +111,49 @@ class TuneyardClient:
     def events(self, run_id: str, *, after: int | None = None) -> Iterator[dict[str, Any]]:
         params = {"after": after} if after is not None else {}
         yield from self._call("GET", f"/v1/runs/{run_id}/events", params=params).json()["data"]
+
+    def download_model(self, run_id: str, dest: Path) -> Path:
+        """The run's exported model unpacked into `dest`, which must not exist yet. It is
+        unpacked beside it first and renamed when complete: a folder at `dest` is whole."""
+        if dest.exists():
+            raise FileExistsError(f"{dest} already exists: name a new folder")
+        partial = dest.with_name(f".{dest.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            with self.http.stream("GET", f"/v1/runs/{run_id}/model", timeout=None) as response:
+                if response.is_error:
+                    response.read()
+                    self._raise_for(response)
+                reader = io.BufferedReader(_ChunkReader(response.iter_raw()), 1 << 20)
+                with tarfile.open(fileobj=reader, mode="r|") as archive:
+                    # "data": no absolute paths, links or devices, nothing outside `partial`.
+                    archive.extractall(partial, filter="data")
+        except httpx.TransportError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise Unreachable(f"the download from {self.base_url} broke off: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        partial.rename(dest)
+        return dest
+
+
+class _ChunkReader(io.RawIOBase):
+    """A response's byte chunks as a readable stream, for tarfile's streaming mode."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            self._pending = next(self._chunks, b"")
+            if not self._pending:
+                return 0
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size

@@ -67,7 +67,7 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
         run.spec,
         run_id=run.id,
         attempt=run.attempt,
-        storage_path=str(settings.resolved_storage_path),
+        storage_path=settings.storage.root,
     )
     # The operator's variables first (NCCL_*, HF_TOKEN, ...; Settings refuses tuneyard's own
     # names), so what tuneyard sets below always wins. Never logged: they may be secrets.

@@ -44,7 +44,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         prepare_database(settings.resolved_database_url, wait_s=settings.database_wait_s)
-        settings.resolved_storage_path.mkdir(parents=True, exist_ok=True)
+        # Fail at start-up, saying why, not at the first upload or run.
+        settings.storage.check_reachable()
         head = None
         if start_background:
             if settings.ray_address:

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
+from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
 
 # The demo writes its tiny model and dataset here, so runs may read from it by default.
 DEMO_DIRNAME = "demo"
@@ -43,8 +44,9 @@ class Settings(BaseSettings):
     home: Path = Path("./.tuneyard")
     # Unset → SQLite (WAL) under `home`, so a fresh machine needs no database server.
     database_url: str | None = None
-    # Ray Train storage_path, uploads and exports. Must be shared storage on a real cluster.
-    storage_path: Path | None = None
+    # Ray Train storage_path, uploads and exports: a folder every node of the cluster
+    # mounts, or an object store URI (s3://bucket/prefix, gs://…; contract/storage.py).
+    storage_path: str | None = None
     # Unset → `serve` starts a local Ray head bound to 127.0.0.1 and stops it on exit.
     ray_address: str | None = None
     # Colon-separated folders a run may read a local model or dataset from.
@@ -92,14 +94,18 @@ class Settings(BaseSettings):
 
     @field_validator("storage_path", mode="before")
     @classmethod
-    def _refuse_uris(cls, value: object) -> object:
-        # Path("s3://bucket") would silently become the local folder "s3:/bucket".
-        if isinstance(value, str) and "://" in value:
-            raise ValueError(
-                f"TUNEYARD_STORAGE_PATH must be a filesystem path every node shares, got "
-                f"{value!r}; object-store URIs are not supported yet: mount the bucket on "
-                f"every node (e.g. mountpoint-s3, gcsfuse) and give the mount path"
-            )
+    def _storage_opens(cls, value: object) -> object:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, str) and is_uri(value):
+            if "?" in value:
+                # Options in the URI would end up inside every path joined to it.
+                raise ValueError(
+                    "TUNEYARD_STORAGE_PATH: give the object store's endpoint and credentials "
+                    "in the AWS_* variables (AWS_ENDPOINT_URL, ...), not as URI options"
+                )
+            if problem := scheme_problem(value):
+                raise ValueError(f"TUNEYARD_STORAGE_PATH: {problem}")
         return value
 
     @field_validator("job_env", mode="before")
@@ -157,13 +163,26 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home_dir / 'tuneyard.db'}"
 
+    @cached_property
+    def storage(self) -> Storage:
+        if self.storage_path and is_uri(self.storage_path):
+            return Storage(self.storage_path)
+        folder = Path(self.storage_path) if self.storage_path else self.home_dir / "storage"
+        return Storage(str(folder.expanduser().resolve()))
+
     @property
-    def resolved_storage_path(self) -> Path:
-        return (self.storage_path or self.home_dir / "storage").expanduser().resolve()
+    def uploads_location(self) -> str:
+        """Where uploaded files are kept, in storage."""
+        return self.storage.join(UPLOADS_DIRNAME)
 
     @property
     def uploads_dir(self) -> Path:
-        return (self.resolved_storage_path / UPLOADS_DIRNAME).resolve()
+        """Where uploads are received and checked on this machine: their place in storage
+        itself when storage is a local folder, else a folder under TUNEYARD_HOME from
+        which each is moved to the object store once recorded."""
+        if self.storage.remote:
+            return self.home_dir / "uploads"
+        return Path(self.uploads_location)
 
     @property
     def resolved_allowed_roots(self) -> SourceRoots:
@@ -184,10 +203,13 @@ class Settings(BaseSettings):
 
     def resolved_job_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """What every job gets on top of tuneyard's own variables: the service's variables
-        that `job_env_passthrough` names (from `environ`, default this process's), then
-        `job_env`, which wins where both give a name."""
+        that `job_env_passthrough` names (from `environ`, default this process's) and, with
+        object storage, its endpoint and credentials variables; then `job_env`, which wins
+        where both give a name."""
         environ = os.environ if environ is None else environ
         patterns = _split_names(self.job_env_passthrough)
+        if self.storage.remote:  # the workers reach the object store as the service does
+            patterns += CREDENTIAL_VARIABLES
         forwarded = {
             name: value
             for name, value in environ.items()

@@ -40,9 +40,12 @@ def worker_demand(res: ResourcesSpec) -> dict[str, float]:
     return demand
 
 
-def placement_shortfalls(res: ResourcesSpec, nodes: Sequence[NodeResources]) -> list[Shortfall]:
+def placement_shortfalls(
+    res: ResourcesSpec, nodes: Sequence[NodeResources], *, tensor_parallel_size: int = 1
+) -> list[Shortfall]:
     """Why `nodes` (each alive node's total resources) can never hold every worker of the
-    run; [] if they can. Pure: the service and the job's driver both apply it."""
+    run, each tensor-parallel group on one node; [] if they can. Pure: the service and
+    the job's driver both apply it."""
     demand = worker_demand(res)
     asked = f"the run asks for {workers(res.num_workers)} x {shape(demand)}"
     if "GPU" in demand and not any(n.get("GPU", 0) > 0 for n in nodes):
@@ -78,7 +81,32 @@ def placement_shortfalls(res: ResourcesSpec, nodes: Sequence[NodeResources]) -> 
                 f"({shape(totals(nodes, demand))})",
             )
         ]
+    tp = tensor_parallel_size
+    groups = sum(workers_that_fit(demand, n) // tp for n in nodes)
+    if tp > 1 and groups * tp < res.num_workers:
+        # A tensor-parallel group exchanges activations at every layer: across nodes it
+        # would run at network speed, so each group must fit on one node.
+        per_node = sorted((workers_that_fit(demand, n) for n in nodes), reverse=True)
+        return [
+            Shortfall(
+                "deepspeed.tensor_parallel_size",
+                f"{asked} in tensor-parallel groups of {tp}, each on one node, but the "
+                f"cluster's nodes hold {groups} such group{'' if groups == 1 else 's'} "
+                f"({res.num_workers // tp} needed; the nodes fit "
+                f"{', '.join(map(str, per_node))} workers each)",
+            )
+        ]
     return []
+
+
+def tensor_parallel_straddles(
+    node_of_rank: Sequence[str], tensor_parallel_size: int
+) -> list[tuple[int, ...]]:
+    """The tensor-parallel groups (consecutive ranks, as DeepSpeed's AutoTP mesh forms
+    them) whose ranks Ray placed on more than one node."""
+    tp = tensor_parallel_size
+    groups = [tuple(range(i, i + tp)) for i in range(0, len(node_of_rank), tp)]
+    return [g for g in groups if len({node_of_rank[r] for r in g}) > 1]
 
 
 def workers_that_fit(demand: Mapping[str, float], node: NodeResources) -> int:

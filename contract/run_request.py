@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     StringConstraints,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -116,14 +117,23 @@ def source_problem(value: str, *, uploads: bool = False) -> str | None:
     return None
 
 
-def _model_source(value: str) -> str:
-    if problem := source_problem(value):
+# The validation context of a spec the service resolved (RunSpec): its sources may be
+# object-store URIs the service itself wrote there (an upload, an earlier run's export).
+RESOLVED_SPEC = "resolved_spec"
+
+
+def _resolved_uri(value: str, info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get(RESOLVED_SPEC)) and "://" in value
+
+
+def _model_source(value: str, info: ValidationInfo) -> str:
+    if not _resolved_uri(value, info) and (problem := source_problem(value)):
         raise ValueError(problem)
     return value
 
 
-def _dataset_source(value: str) -> str:
-    if problem := source_problem(value, uploads=True):
+def _dataset_source(value: str, info: ValidationInfo) -> str:
+    if not _resolved_uri(value, info) and (problem := source_problem(value, uploads=True)):
         raise ValueError(problem)
     return value
 
@@ -446,6 +456,16 @@ class RunSpec(RunDefinition):
     storage_path: Annotated[
         str, StringConstraints(max_length=MAX_PATH_BYTES), AfterValidator(_name)
     ]
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        kwargs["context"] = {**(kwargs.get("context") or {}), RESOLVED_SPEC: True}
+        return super().model_validate(obj, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        kwargs["context"] = {**(kwargs.get("context") or {}), RESOLVED_SPEC: True}
+        return super().model_validate_json(json_data, **kwargs)
 
     @classmethod
     def for_attempt(

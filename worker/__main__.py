@@ -12,6 +12,7 @@ import sys
 from contract.run_request import RunSpec
 from worker.failures import describe_failure, failure_code
 from worker.logs import configure_worker_logging
+from worker.nodes import alive_nodes, lost_nodes_note
 from worker.placement import check_before_fit
 from worker.service_client import ServiceClient
 
@@ -22,16 +23,22 @@ def main() -> int:
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt)
     log = logging.getLogger("tuneyard.worker")
     client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
+    nodes_at_start: dict[str, str] = {}
     try:
         client.status("running")
         # A run the cluster can never hold fails here, not after Ray Train's placement wait.
         check_before_fit(spec, post_event=client.event)
         from worker.trainer import build_trainer
 
+        nodes_at_start = alive_nodes()
         result = build_trainer(spec).fit()
         log.info("finished, checkpoint %s", result.checkpoint)
     except BaseException as exc:
         message, code = describe_failure(exc), failure_code(exc)
+        if lost := lost_nodes_note(nodes_at_start):
+            # Whatever Ray Train said after (a worker died, no room to restart), the cause
+            # is the node; a resume can go on once the cluster has room again.
+            message, code = f"{lost}: {message}", "cluster_error"
         log.error("failed (%s): %s", code, message)
         client.status("failed", error=message, code=code)
         client.close()

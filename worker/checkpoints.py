@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from contract.run_request import RunSpec
+from contract.storage import Storage
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -65,14 +69,25 @@ def restore_checkpoint(engine: Any, spec: RunSpec) -> int:
     return step
 
 
-def export_dir(spec: RunSpec) -> Path:
-    return Path(spec.storage_path) / spec.run_id / "export"
+EXPORT_DIRNAME = "export"
+# The probe row and the engine's top logits on it, kept beside the export so anyone can
+# check the export against the trained engine again.
+EXPORT_CHECK_NAME = "export_check.pt"
 
 
-def export_check_path(spec: RunSpec) -> Path:
-    """The probe row and the engine's top logits on it, kept beside the export so anyone
-    can check the export against the trained engine again."""
-    return Path(spec.storage_path) / spec.run_id / "export_check.pt"
+@contextmanager
+def export_staging(spec: RunSpec) -> Iterator[Path]:
+    """A local folder to write the run's export into, laid out as its folder in storage
+    (`export/`, `export_check.pt`): that folder itself on local storage; on an object
+    store a temporary one, uploaded when the block ends without error."""
+    storage = Storage(spec.storage_path)
+    if not storage.remote:
+        yield Path(storage.join(spec.run_id))
+        return
+    with tempfile.TemporaryDirectory(prefix="tuneyard-export-") as tmp:
+        yield Path(tmp)
+        for name in (EXPORT_DIRNAME, EXPORT_CHECK_NAME):
+            storage.put(Path(tmp, name), storage.join(spec.run_id, name))
 
 
 # The export check's probe: one row of at most this many tokens, so its logits stay small
@@ -133,17 +148,23 @@ def export_hf_model(
     if rank == 0:
         from worker.model_setup import loading_whole
 
-        with loading_whole(zero3_config):
-            exports = _write_exports(engine, tokenizer, spec, state, probe, engine_logits)
-        top = engine_logits.topk(min(PROBE_TOP_K, engine_logits.shape[-1]), dim=-1)
-        torch.save(
-            {
-                **{k: v.cpu() for k, v in probe.items()},
-                "top_ids": top.indices,
-                "top_logits": top.values,
-            },
-            export_check_path(spec),
-        )
+        storage = Storage(spec.storage_path)
+        with export_staging(spec) as stage:
+            with loading_whole(zero3_config):
+                exports = _write_exports(
+                    engine, tokenizer, spec, state, probe, engine_logits, stage / EXPORT_DIRNAME
+                )
+            top = engine_logits.topk(min(PROBE_TOP_K, engine_logits.shape[-1]), dim=-1)
+            torch.save(
+                {
+                    **{k: v.cpu() for k, v in probe.items()},
+                    "top_ids": top.indices,
+                    "top_logits": top.values,
+                },
+                stage / EXPORT_CHECK_NAME,
+            )
+        for export in exports:  # checked locally; users see where they are in storage
+            export.path = storage.join(spec.run_id, os.path.relpath(export.path, stage))
         for export in exports:
             log.info(
                 "exported %s to %s (max |logit diff| %.3g)",
@@ -161,10 +182,10 @@ def _write_exports(
     state: dict[str, Any] | None,
     probe: dict[str, Any],
     engine_logits: Any,
+    out: Path,
 ) -> list[Export]:
     """Rank 0: each folder the run asks for, each checked against the engine's logits;
     for `both`, the adapter first (the last one becomes the run's model_path)."""
-    out = export_dir(spec)
     out.mkdir(parents=True, exist_ok=True)
     if spec.lora is None:
         engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)

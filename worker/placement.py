@@ -48,7 +48,13 @@ def check_before_fit(spec: RunSpec, *, post_event: Callable[[str, str], Any]) ->
         return
     if not nodes:  # this driver runs on a node: an empty list is a view that is not ready
         return
-    decision = placement_decision(spec.resources, nodes, free, autoscales=_autoscales())
+    decision = placement_decision(
+        spec.resources,
+        nodes,
+        free,
+        autoscales=_autoscales(),
+        tensor_parallel_size=spec.deepspeed.tensor_parallel_size,
+    )
     if decision is not None:
         post_event(WAITING_EVENT, decision)
 
@@ -60,6 +66,7 @@ def placement_decision(
     *,
     autoscales: bool,
     timeout_s: float | None = None,
+    tensor_parallel_size: int = 1,
 ) -> str | None:
     """None: the workers can be placed now. A message: they must wait for resources.
     Raises Unplaceable when they never can and the cluster does not grow.
@@ -68,7 +75,7 @@ def placement_decision(
     driver); a cluster whose free resources are split across nodes may still make the
     workers wait, which Ray Train's timeout bounds."""
     timeout_s = placement_timeout_s() if timeout_s is None else timeout_s
-    never = placement_shortfalls(res, nodes)
+    never = placement_shortfalls(res, nodes, tensor_parallel_size=tensor_parallel_size)
     wait = f"waiting up to {timeout_s:g} s for the workers to be placed"
     if never:
         reasons = "; ".join(s.message for s in never)

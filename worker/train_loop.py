@@ -15,6 +15,8 @@ from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_rep
 from worker.jit_lock import clear_stale_jit_locks
 from worker.logs import configure_worker_logging
 from worker.metrics import MetricSinks
+from worker.nodes import check_worker_nodes
+from worker.remote_sources import with_local_sources
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -33,7 +35,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
     sinks.event("worker_started", f"training workers started ({spec.resources.num_workers})")
     try:
-        _train(spec, rank=rank, sinks=sinks)
+        check_worker_nodes(spec, rank=rank, post_event=sinks.event)
+        # An upload or an earlier run's export in object storage: read from local disk.
+        _train(with_local_sources(spec), rank=rank, sinks=sinks)
     finally:
         sinks.close()
     # Only after success: a rank that raised must not wait in a barrier its peers, stuck in

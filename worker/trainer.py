@@ -7,6 +7,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from contract.run_request import RunSpec
+from contract.storage import Storage
 
 
 def build_trainer(spec: RunSpec) -> Any:
@@ -40,7 +41,7 @@ def build_trainer(spec: RunSpec) -> Any:
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpointing.keep_last),
             # Ray types `callbacks` with its v1 Callback class; V2 takes UserCallback.
             callbacks=[
-                CheckpointRecorder(spec.run_id, spec.attempt),  # type: ignore[list-item]
+                CheckpointRecorder(spec),  # type: ignore[list-item]
                 TrainingErrorStop(),  # type: ignore[list-item]
             ],
         ),
@@ -50,9 +51,10 @@ def build_trainer(spec: RunSpec) -> Any:
 class CheckpointRecorder(UserCallback):
     """Runs in Ray Train's controller, which sees every persisted checkpoint and its path."""
 
-    def __init__(self, run_id: str, attempt: int) -> None:
-        self.run_id = run_id
-        self.attempt = attempt
+    def __init__(self, spec: RunSpec) -> None:
+        self.run_id = spec.run_id
+        self.attempt = spec.attempt
+        self.storage_path = spec.storage_path
 
     def after_report(
         self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
@@ -70,7 +72,8 @@ class CheckpointRecorder(UserCallback):
             client.checkpoint(
                 step=int(rank0.get("step", 0)),
                 epoch=rank0.get("epoch"),
-                path=checkpoint.path,
+                # Ray's path is in its filesystem ("bucket/prefix/..." on S3): a URI for users.
+                path=Storage(self.storage_path).location_of(checkpoint.path),
                 kind="deepspeed",
                 metrics={k: v for k, v in rank0.items() if isinstance(v, int | float)},
             )

@@ -103,7 +103,10 @@ async def upload_file(
     await _admitted(
         request,
         lambda: files.sweep_partials_now_and_then(
-            state.read_session_factory, storage_dir=storage_dir
+            state.read_session_factory,
+            storage_dir=storage_dir,
+            storage=settings.storage,
+            uploads_location=settings.uploads_location,
         ),
     )
     received = await anyio.to_thread.run_sync(
@@ -111,6 +114,7 @@ async def upload_file(
             filename=files.safe_filename(file.filename),
             stream=file.file,
             storage_dir=storage_dir,
+            uploads_location=settings.uploads_location,
             max_bytes=settings.max_upload_bytes,
             purpose=purpose,
             checks_for=checks,
@@ -127,7 +131,7 @@ async def upload_file(
         except BaseException:
             files.discard_upload(received)
             raise
-        await anyio.to_thread.run_sync(files.publish_upload, received)
+        await anyio.to_thread.run_sync(files.publish_upload, received, settings.storage)
     return _view(request, row)
 
 
@@ -227,12 +231,16 @@ def list_files(
     ),
 )
 def delete_file(
-    file_id: str, session: SessionDep, principal: CurrentPrincipal, background: BackgroundTasks
+    file_id: str,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    background: BackgroundTasks,
+    settings: SettingsDep,
 ) -> FileDeleted:
-    path = files.delete_file(session, file_id=file_id, owner_id=principal.id)
+    location = files.delete_file(session, file_id=file_id, owner_id=principal.id)
     # Background tasks run after the request's commit: the row goes first, the bytes after
     # it, so a crash in between leaves only unreferenced bytes, never a row without its file.
-    background.add_task(path.unlink, missing_ok=True)
+    background.add_task(settings.storage.delete, location)
     return FileDeleted(id=file_id, deleted=True)
 
 

@@ -192,9 +192,10 @@ def resume_fine_tuning_job(
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     background: BackgroundTasks,
+    settings: SettingsDep,
 ) -> Job:
     run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id, for_update=True)
-    runs.resume_run(session, run)
+    runs.resume_run(session, run, storage=settings.storage)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
     return openai_jobs.job_view(run, trained_tokens=None)

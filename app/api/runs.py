@@ -16,7 +16,7 @@ from fastapi import (
     Security,
     status,
 )
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
@@ -46,7 +46,7 @@ from app.schemas.run_view import (
     json_response,
 )
 from app.schemas.security_schemes import api_key
-from app.services import lifecycle, run_data, run_logs, run_stream, runs
+from app.services import lifecycle, model_download, run_data, run_logs, run_stream, runs
 from app.status import RunStatus
 from contract.bounds import INT32_MAX, INT64_MAX, refuse_nul
 from contract.examples import RUN_REQUEST_EXAMPLES
@@ -308,12 +308,49 @@ def resume_run(
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     background: BackgroundTasks,
+    settings: SettingsDep,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    runs.resume_run(session, run)
+    runs.resume_run(session, run, storage=settings.storage)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
     return RunView.of(run, queue_position=runs.queue_position(session, run))
+
+
+@router.get(
+    "/{run_id}/model",
+    summary="Download the run's exported model (a tar of the Hugging Face folder)",
+    description="The folder `from_pretrained` loads (a LoRA run's adapter, as its export "
+    "says), streamed from storage as a tar archive of the folder's files: "
+    "`curl ... | tar -x -C my-model`, or `tuneyard download RUN DEST`.",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "A tar archive of the export folder's files",
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **error_responses(
+            {
+                401: _UNAUTHORIZED,
+                404: "No such run (or not yours), or its export is gone from storage",
+                409: "The run has no exported model (yet)",
+                422: _INVALID_PARAMETER,
+                503: "Storage cannot be read now",
+            },
+            non_json_route=True,
+        ),
+    },
+)
+def download_model(
+    run_id: RunId, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
+) -> StreamingResponse:
+    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    location, files = model_download.model_files(run, settings.storage)
+    return StreamingResponse(
+        model_download.tar_chunks(settings.storage, location, files),
+        media_type="application/x-tar",
+        headers={"Content-Disposition": f'attachment; filename="{run.id}-model.tar"'},
+    )
 
 
 @router.get(

@@ -7,7 +7,9 @@ nor a row without its file:
    record. No transaction is open: a large file or a slow check holds no database lock.
 2. `record_upload` inserts the row; the caller commits, and on any failure calls
    `discard_upload`, which removes the partial file.
-3. `publish_upload` renames the partial file to its final name, after the commit.
+3. `publish_upload` moves the partial file to its final name in storage, after the commit:
+   a rename when storage is a local folder, an upload when it is an object store (then the
+   partial file waits in a folder under TUNEYARD_HOME, `Settings.uploads_dir`).
 
 Why commit before the rename, rather than rename and remove the file if the commit fails: a
 process killed between the two steps then leaves a `.partial` file, which its name marks as
@@ -36,6 +38,7 @@ from app.models import File, Run, new_id
 from app.services.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
 from app.status import TERMINAL_STATUSES
 from contract.datasets import FILE_FORMATS, Purpose, file_format
+from contract.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class ReceivedUpload:
     records: int
     fields: list[str]
     partial: Path
-    final: Path
+    final: str  # its location in storage
     # What it was checked for: the purpose asked for, or the one "fine-tune" resolved to.
     purpose: Purpose
 
@@ -94,6 +97,7 @@ def receive_upload(
     filename: str,
     stream: BinaryIO,
     storage_dir: Path,
+    uploads_location: str,
     max_bytes: int,
     purpose: Purpose | Literal["fine-tune"],
     checks_for: ChecksFor,
@@ -115,8 +119,8 @@ def receive_upload(
     storage_dir.mkdir(parents=True, exist_ok=True)
     # Only the server's id and one of FILE_FORMATS' suffixes make the name: nothing the
     # client sent can point it elsewhere.
-    final = storage_dir / f"{file_id}{PurePath(filename).suffix.lower()}"
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    name = f"{file_id}{PurePath(filename).suffix.lower()}"
+    partial = storage_dir / (name + PARTIAL_SUFFIX)
     try:
         size = _copy_limited(stream, partial, max_bytes)
         kind = (
@@ -152,7 +156,7 @@ def receive_upload(
         records=report.records,
         fields=report.fields,
         partial=partial,
-        final=final,
+        final=f"{uploads_location}/{name}",
         purpose=kind,
     )
 
@@ -167,16 +171,16 @@ def record_upload(session: Session, *, upload: ReceivedUpload, owner_id: str) ->
         bytes=upload.bytes,
         records=upload.records,
         fields=upload.fields,
-        path=str(upload.final),
+        path=upload.final,
     )
     session.add(row)
     session.flush()
     return row
 
 
-def publish_upload(upload: ReceivedUpload) -> None:
+def publish_upload(upload: ReceivedUpload, storage: Storage) -> None:
     """Move a recorded upload into place; call only once its row is committed."""
-    upload.partial.rename(upload.final)
+    storage.move_in(upload.partial, upload.final)
 
 
 def discard_upload(upload: ReceivedUpload) -> None:
@@ -219,8 +223,8 @@ def _sources(run: Run) -> tuple[str | None, str | None]:
     return dataset.get("source"), dataset.get("eval_source")
 
 
-def delete_file(session: Session, *, file_id: str, owner_id: str) -> Path:
-    """Remove a file's row; returns its path, for the caller to remove once that commits.
+def delete_file(session: Session, *, file_id: str, owner_id: str) -> str:
+    """Remove a file's row; returns its location, for the caller to remove once that commits.
     A file that a queued or live run reads is refused: the run would fail when it opens
     it. (A finished run keeps only the path: resuming it after the delete fails, saying
     the file is gone.)"""
@@ -237,7 +241,7 @@ def delete_file(session: Session, *, file_id: str, owner_id: str) -> Path:
         )
     session.delete(upload)
     session.flush()
-    return Path(upload.path)
+    return upload.path
 
 
 _last_sweep: dict[Path, float] = {}
@@ -247,6 +251,8 @@ def sweep_partials_now_and_then(
     session_factory: sessionmaker[Session],
     *,
     storage_dir: Path,
+    storage: Storage,
+    uploads_location: str,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """`sweep_partials`, at most once per SWEEP_EVERY_S for each storage folder."""
@@ -255,13 +261,17 @@ def sweep_partials_now_and_then(
     if last is not None and now - last < SWEEP_EVERY_S:
         return
     _last_sweep[storage_dir] = now
-    sweep_partials(session_factory, storage_dir=storage_dir)
+    sweep_partials(
+        session_factory, storage_dir=storage_dir, storage=storage, uploads_location=uploads_location
+    )
 
 
 def sweep_partials(
     session_factory: sessionmaker[Session],
     *,
     storage_dir: Path,
+    storage: Storage,
+    uploads_location: str,
     older_than_s: float = PARTIAL_MAX_AGE_S,
 ) -> None:
     """Settle partial files that uploads interrupted by a crash left behind: publish those
@@ -274,12 +284,12 @@ def sweep_partials(
             if partial.stat().st_mtime > cutoff:
                 continue
             file_id = partial.name.split(".", 1)[0]
-            final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+            name = partial.name.removesuffix(PARTIAL_SUFFIX)
             with session_factory() as session:
                 recorded = session.get(File, file_id) is not None
             if recorded:
-                partial.rename(final)
-                log.info("published %s, whose upload stopped after its commit", final.name)
+                storage.move_in(partial, f"{uploads_location}/{name}")
+                log.info("published %s, whose upload stopped after its commit", name)
             else:
                 partial.unlink(missing_ok=True)
                 log.info("removed %s, left by an unfinished upload", partial.name)

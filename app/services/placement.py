@@ -29,12 +29,14 @@ CLUSTER_VIEW_TTL_S = 5.0
 Problem = dict[str, str]
 
 
-def placement_problems(res: ResourcesSpec, nodes: Sequence[NodeResources]) -> list[Problem]:
+def placement_problems(
+    res: ResourcesSpec, nodes: Sequence[NodeResources], *, tensor_parallel_size: int = 1
+) -> list[Problem]:
     """Why `nodes` (each alive node's total resources) can never hold the run's workers,
     as field problems naming what was asked and what the cluster has; [] when they can."""
     return [
         field_problem(s.field, f"{s.message}; change the request or add nodes")
-        for s in placement_shortfalls(res, nodes)
+        for s in placement_shortfalls(res, nodes, tensor_parallel_size=tensor_parallel_size)
     ]
 
 
@@ -102,8 +104,10 @@ class ClusterView:
         # A cluster with no alive node at all is one still starting: judge nothing by it.
         return nodes or None
 
-    def problems(self, res: ResourcesSpec) -> list[Problem]:
+    def problems(self, res: ResourcesSpec, *, tensor_parallel_size: int = 1) -> list[Problem]:
         """`placement_problems` against the cluster's current nodes, or [] when they are
         not to be judged."""
         nodes = self.nodes()
-        return [] if nodes is None else placement_problems(res, nodes)
+        if nodes is None:
+            return []
+        return placement_problems(res, nodes, tensor_parallel_size=tensor_parallel_size)

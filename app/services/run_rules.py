@@ -39,6 +39,7 @@ from contract.datasets import (
 )
 from contract.run_request import RunDefinition, RunRequest
 from contract.steps import StepPlan, examples_used
+from contract.storage import Storage, StorageError, is_uri
 
 # A local folder source is walked to check every file in it; one bigger than this is
 # refused rather than walked for minutes inside a request.
@@ -222,7 +223,23 @@ def _check_model_from_run(
         )
         checked.problems.append(field_problem("model", f"run {run.id} {why}"))
         return
+    if is_uri(exported):
+        _read_stored_model_config(exported, request, checked)
+        return
     _read_model_config(Path(exported), request, checked)
+
+
+def _read_stored_model_config(location: str, request: RunRequest, checked: CheckedRequest) -> None:
+    """An export in object storage: its config is read there (the worker copies the
+    folder to its nodes when it trains from it)."""
+    try:
+        config = json.loads(Storage(location).read_bytes(f"{location}/config.json"))
+    except (StorageError, ValueError) as exc:
+        checked.problems.append(field_problem("model", f"cannot read the export's config: {exc}"))
+        return
+    checked.spec["model"] = location
+    checked.model_config = config
+    checked.problems.extend(model_config_problems(config, request))
 
 
 def _check_model(request: RunRequest, checked: CheckedRequest, roots: Sequence[Path]) -> None:

@@ -30,6 +30,7 @@ from app.services.placement import ClusterView
 from app.services.run_rules import check_run_request
 from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
+from contract.storage import Storage
 
 MAX_PAGE = 100
 
@@ -53,7 +54,11 @@ def create_run(
 
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
     if cluster is not None:
-        checked.problems.extend(cluster.problems(request.resources))
+        checked.problems.extend(
+            cluster.problems(
+                request.resources, tensor_parallel_size=request.deepspeed.tensor_parallel_size
+            )
+        )
     if checked.problems:
         raise ValidationFailed(checked.problems)
     run = Run(
@@ -100,7 +105,11 @@ def validate_run_request(
         )
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
     if cluster is not None:
-        checked.problems.extend(cluster.problems(request.resources))
+        checked.problems.extend(
+            cluster.problems(
+                request.resources, tensor_parallel_size=request.deepspeed.tensor_parallel_size
+            )
+        )
     if checked.problems:
         return ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
     return ValidationReport(
@@ -258,13 +267,18 @@ def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, in
     return {run_id: int(position) for run_id, position in rows}
 
 
-def resume_run(session: Session, run: Run) -> None:
-    """`lifecycle.resume`, refused while a local file the run reads is gone (an upload
-    deleted since, say): its worker would only fail at once on the cluster."""
+def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
+    """`lifecycle.resume`, refused while a file the run reads is gone (an upload deleted
+    since, say): its worker would only fail at once on the cluster."""
     dataset = run.spec["dataset"]
     for key in ("source", "eval_source"):
         path = dataset.get(key)
-        if path and path.startswith("/") and not Path(path).exists():
+        gone = (
+            not storage.exists(path)
+            if path and storage.contains(path)
+            else bool(path and path.startswith("/") and not Path(path).exists())
+        )
+        if gone:
             raise Conflict(
                 f"run {run.id} reads dataset.{key} {path!r}, which no longer exists (an "
                 "uploaded file deleted since?); create a new run with the data"

@@ -43,7 +43,7 @@ def _problems(response: Any) -> list[str]:
 def _stored(session_factory: sessionmaker[Session], settings: Settings) -> tuple[int, list[Path]]:
     with session_factory() as session:
         rows = int(session.scalar(select(func.count()).select_from(File)) or 0)
-    folder = settings.resolved_storage_path / "files"
+    folder = settings.uploads_dir
     return rows, sorted(folder.iterdir()) if folder.is_dir() else []
 
 
@@ -74,7 +74,7 @@ class TestChatUpload:
         assert (body["purpose"], body["records"], body["fields"]) == ("chat", 2, ["messages"])
         fetched = client.get(f"/v1/files/{body['id']}", headers=auth)
         assert fetched.json()["purpose"] == "chat"
-        stored = list((settings.resolved_storage_path / "files").iterdir())
+        stored = list((settings.uploads_dir).iterdir())
         assert [p.read_bytes() for p in stored] == [data]
 
     def test_bad_records_are_reported_by_line_and_rule_and_nothing_is_stored(

@@ -235,7 +235,7 @@ class TestSettings:
         api_mounts = named_mounts(services["api"], compose)
         ray_mounts = named_mounts(services["ray-head"], compose)
         shared_paths = {
-            "TUNEYARD_STORAGE_PATH": api_settings.resolved_storage_path,
+            "TUNEYARD_STORAGE_PATH": api_settings.storage.root,
             **{
                 f"TUNEYARD_ALLOWED_ROOTS ({root})": root
                 for root in api_settings.resolved_allowed_roots

@@ -120,7 +120,7 @@ class TestDispatch:
         spec = json.loads(env["env_vars"]["TUNEYARD_RUN_SPEC"])
         assert spec["run_id"] == run_id
         assert spec["attempt"] == 1
-        assert spec["storage_path"] == str(settings.resolved_storage_path)
+        assert spec["storage_path"] == settings.storage.root
         assert spec["model"] == str((tmp_path / "model").resolve())
         assert "metadata" not in spec
         assert env["env_vars"]["TUNEYARD_CALLBACK_URL"] == settings.resolved_callback_url

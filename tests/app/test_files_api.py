@@ -53,7 +53,7 @@ class TestUploadFile:
         assert (body["filename"], body["format"], body["records"]) == ("news.jsonl", "jsonl", 3)
         assert body["bytes"] == len(data)
         assert body["fields"] == ["text", "id"]
-        stored = list((settings.resolved_storage_path / "files").iterdir())
+        stored = list((settings.uploads_dir).iterdir())
         assert [p.read_bytes() for p in stored] == [data]
 
         fetched = client.get(f"/v1/files/{body['id']}", headers=auth)
@@ -81,7 +81,7 @@ class TestUploadFile:
             "line 6: field 'text' must be text, got int",
         ]
         assert _count_files(session_factory) == 0
-        assert list((settings.resolved_storage_path / "files").iterdir()) == []
+        assert list((settings.uploads_dir).iterdir()) == []
 
     def test_csv_errors_give_file_line_numbers(
         self, client: TestClient, auth: dict[str, str]
@@ -142,7 +142,7 @@ class TestUploadFile:
             response = client.post("/v1/files", files={"file": ("big.jsonl", data)}, headers=auth)
         assert response.status_code == 413
         assert "100-byte limit" in response.json()["detail"]
-        assert list((small.resolved_storage_path / "files").iterdir()) == []
+        assert list((small.uploads_dir).iterdir()) == []
 
     def test_needs_an_api_key(self, client: TestClient) -> None:
         response = client.post("/v1/files", files={"file": ("d.jsonl", _jsonl({"text": "x"}))})
@@ -171,7 +171,7 @@ class TestUploadOrder:
             )
 
         # Before, the second file was moved into place (over the first) before the commit.
-        stored = list((settings.resolved_storage_path / "files").iterdir())
+        stored = list((settings.uploads_dir).iterdir())
         assert [(p.name, p.read_bytes()) for p in stored] == [(f"{kept.json()['id']}.jsonl", first)]
 
     def test_the_next_upload_settles_partial_files_left_by_a_crash(
@@ -181,7 +181,7 @@ class TestUploadOrder:
         settings: Settings,
         session_factory: sessionmaker[Session],
     ) -> None:
-        folder = settings.resolved_storage_path / "files"
+        folder = settings.uploads_dir
         folder.mkdir(parents=True, exist_ok=True)
         an_hour_ago = time.time() - files_service.PARTIAL_MAX_AGE_S - 60
 
@@ -271,7 +271,7 @@ class TestUploadedFileNames:
         assert response.json()["filename"] == kept
         assert client.get(f"/v1/files/{file_id}", headers=auth).json()["filename"] == kept
         # Storage names the file by its id, inside the files folder, whatever was sent.
-        folder = settings.resolved_storage_path / "files"
+        folder = settings.uploads_dir
         assert [p.name for p in folder.iterdir()] == [f"{file_id}.jsonl"]
         assert not list(tmp_path.rglob("evil.jsonl"))
 
@@ -283,8 +283,8 @@ class TestUploadedFileNames:
         response = client.post("/v1/files", content=body, headers={**auth, **headers})
 
         assert "must end in one of" in _problems(response)[0]
-        assert not (settings.resolved_storage_path / "files").exists() or not list(
-            (settings.resolved_storage_path / "files").iterdir()
+        assert not (settings.uploads_dir).exists() or not list(
+            (settings.uploads_dir).iterdir()
         )
 
 

@@ -10,14 +10,45 @@ from pydantic import ValidationError
 from app.settings import Settings
 
 
-def test_storage_uri_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match=r"TUNEYARD_STORAGE_PATH.*mount the bucket"):
-        Settings(home=tmp_path, storage_path="s3://bucket/tuneyard")
-
-
 def test_storage_path_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TUNEYARD_STORAGE_PATH", str(tmp_path / "shared"))
-    assert Settings(home=tmp_path).resolved_storage_path == tmp_path / "shared"
+    settings = Settings(home=tmp_path)
+    assert settings.storage.root == str(tmp_path / "shared")
+    assert not settings.storage.remote
+    # On a local folder, uploads are received where they are kept.
+    assert settings.uploads_dir == tmp_path / "shared" / "files"
+
+
+class TestObjectStorage:
+    def test_an_s3_uri_is_storage_and_uploads_wait_under_home(self, tmp_path: Path) -> None:
+        settings = Settings(home=tmp_path, storage_path="s3://bucket/tuneyard/")
+        assert settings.storage.remote and settings.storage.root == "s3://bucket/tuneyard"
+        assert settings.uploads_location == "s3://bucket/tuneyard/files"
+        assert settings.uploads_dir == tmp_path / "uploads"
+
+    def test_a_scheme_nothing_opens_is_refused_naming_the_setting(self, tmp_path: Path) -> None:
+        with pytest.raises(ValidationError, match=r"TUNEYARD_STORAGE_PATH: no filesystem opens"):
+            Settings(home=tmp_path, storage_path="nosuchscheme://bucket/x")
+
+    def test_options_in_the_uri_are_refused_with_where_they_go(self, tmp_path: Path) -> None:
+        with pytest.raises(ValidationError, match=r"AWS_ENDPOINT_URL"):
+            Settings(home=tmp_path, storage_path="s3://bucket/x?endpoint_override=h:9000")
+
+    def test_jobs_get_the_object_stores_credentials(self, tmp_path: Path) -> None:
+        environ = {
+            "AWS_ENDPOINT_URL": "http://minio:9000",
+            "AWS_ACCESS_KEY_ID": "id",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+            "AWS_UNRELATED": "x",
+        }
+        remote = Settings(home=tmp_path, storage_path="s3://bucket/x")
+        assert remote.resolved_job_env(environ) == {
+            "AWS_ENDPOINT_URL": "http://minio:9000",
+            "AWS_ACCESS_KEY_ID": "id",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+        }
+        # A local folder needs none: the service's credentials stay its own.
+        assert Settings(home=tmp_path).resolved_job_env(environ) == {}
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
@@ -39,7 +70,7 @@ def test_serve_refuses_bad_settings_naming_the_variable(
 
     from app.cli import ExitCode, app
 
-    env = {"TUNEYARD_HOME": str(tmp_path), "TUNEYARD_STORAGE_PATH": "s3://bucket/x"}
+    env = {"TUNEYARD_HOME": str(tmp_path), "TUNEYARD_STORAGE_PATH": "nosuchscheme://bucket/x"}
     result = CliRunner().invoke(app, ["serve"], env=env)
     assert result.exit_code == ExitCode.USAGE
     assert "invalid TUNEYARD_STORAGE_PATH" in result.stderr
@@ -144,7 +175,7 @@ class TestSourceRoots:
         # on another's upload by naming its path.
         settings = Settings(home=tmp_path / "home")
         roots = settings.resolved_allowed_roots
-        uploads = settings.resolved_storage_path / "files"
+        uploads = settings.uploads_dir
         assert settings.home_dir in roots and uploads.is_relative_to(settings.home_dir)
         assert roots.refused == (uploads,)
 

@@ -43,7 +43,7 @@ def tenant_b(session_factory: sessionmaker[Session]) -> dict[str, str]:
 
 
 def _stored_path(settings: Settings, upload: dict[str, Any]) -> Path:
-    (path,) = (settings.resolved_storage_path / "files").glob(f"{upload['id']}*")
+    (path,) = (settings.uploads_dir).glob(f"{upload['id']}*")
     return path
 
 

@@ -90,7 +90,7 @@ def _post_streamed(
 
 
 def _stored(settings: Settings) -> list[Path]:
-    folder = settings.resolved_storage_path / "files"
+    folder = settings.uploads_dir
     return sorted(folder.iterdir()) if folder.exists() else []
 
 

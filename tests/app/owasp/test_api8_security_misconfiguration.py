@@ -198,7 +198,7 @@ class TestDocsLeakNoSettings:
         secrets = {
             api_key,
             settings.resolved_database_url,
-            str(settings.resolved_storage_path),
+            settings.storage.root,
             str(settings.home),
             str(tmp_path),
             *(str(root) for root in settings.resolved_allowed_roots),
