@@ -141,7 +141,11 @@ class Storage:
             return Path(self._path(location))
         import pyarrow.fs as pafs
 
-        local.parent.mkdir(parents=True, exist_ok=True)
+        info = self._call(location, self.fs.get_file_info, self._path(location))
+        # copy_files makes the folders under a folder it copies, but not the folder itself.
+        (local if info.type == pafs.FileType.Directory else local.parent).mkdir(
+            parents=True, exist_ok=True
+        )
         self._call(
             location,
             pafs.copy_files,
@@ -199,10 +203,16 @@ class Storage:
 
     def check_reachable(self) -> None:
         """Raise StorageError, saying why, when the root cannot be listed."""
+        import pyarrow.fs as pafs
+
         if not self.remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
             return
-        self.folders(self.root)
+        # The bucket must be there; the prefix under it is made by the first write.
+        bucket = self._fs_and_base[1].split("/", 1)[0]
+        info = self._call(self.root, self.fs.get_file_info, bucket)
+        if info.type == pafs.FileType.NotFound:
+            raise StorageError(f"storage {self.root!r}: the bucket {bucket!r} does not exist")
 
     def _call(self, location: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -245,13 +255,15 @@ def filesystem_for(root: str) -> tuple[Any, str]:
         return pafs.LocalFileSystem(), os.path.abspath(root)
     if problem := scheme_problem(root):
         raise StorageError(problem)
-    scheme, path = root.split("://", 1)
-    if scheme.lower() == "s3":
-        # Endpoint, region and credentials from the AWS variables, as the AWS tools read
-        # them. (from_uri would first ask the network for the bucket's region.)
-        return pafs.S3FileSystem(), path
+    uri = root
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if uri.lower().startswith("s3://") and region:
+        # Without one pyarrow asks the network for the bucket's region first. The endpoint
+        # and credentials come from the AWS variables, which pyarrow reads as the AWS
+        # tools do.
+        uri = f"{uri}?region={region}"
     try:
-        fs, path = pafs.FileSystem.from_uri(root)
+        fs, path = pafs.FileSystem.from_uri(uri)
         return fs, str(path)
     except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError) as arrow_error:
         try:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
@@ -17,6 +22,7 @@ from app.db import make_engine, make_session_factory, transaction
 from app.main import create_app
 from app.migrate import upgrade_database
 from app.models import Base
+from app.ports import free_port
 from app.services.api_keys import create_api_key
 from app.settings import Settings
 
@@ -149,3 +155,84 @@ def tiny_bert_dir(tiny_models_root: Path) -> Path:
     from app.tiny_assets import build_tiny_bert
 
     return build_tiny_bert(tiny_models_root / "bert")
+
+
+@dataclass
+class S3Server:
+    """moto's S3-compatible server on a loopback port: a real HTTP S3 endpoint that
+    pyarrow, Ray Train and boto3 talk to as they would to AWS or MinIO."""
+
+    endpoint: str
+    env: dict[str, str]
+
+    def create_bucket(self) -> str:
+        import boto3
+
+        name = f"tuneyard-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, **_boto_credentials()).create_bucket(
+            Bucket=name
+        )
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, **_boto_credentials())
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+_S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "tuneyard-test",
+    "AWS_SECRET_ACCESS_KEY": "tuneyard-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _boto_credentials() -> dict[str, str]:
+    return {
+        "aws_access_key_id": _S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": _S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": _S3_CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("moto_server")),
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        try:
+            httpx.get(endpoint, timeout=2)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    try:
+        yield S3Server(endpoint, {**_S3_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """This process's AWS variables pointed at the test S3 server."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server

@@ -283,9 +283,7 @@ class TestUploadedFileNames:
         response = client.post("/v1/files", content=body, headers={**auth, **headers})
 
         assert "must end in one of" in _problems(response)[0]
-        assert not (settings.uploads_dir).exists() or not list(
-            (settings.uploads_dir).iterdir()
-        )
+        assert not (settings.uploads_dir).exists() or not list((settings.uploads_dir).iterdir())
 
 
 class TestFilesInRuns:

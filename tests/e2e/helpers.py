@@ -24,11 +24,14 @@ def checkpoints(service: Service, run_id: str, kind: str) -> list[dict[str, Any]
     return [c for c in data if c["kind"] == kind]
 
 
-def assert_export_matches_engine(run: dict[str, Any], *, auto: Any) -> Any:
+def assert_export_matches_engine(
+    run: dict[str, Any], *, auto: Any, export: Path | None = None, check: Path | None = None
+) -> Any:
     """Load the export as a user would and compare its logits with the trained engine's
-    top logits on the probe row the worker saved; returns the loaded model."""
-    export = Path(run["output"]["model_path"])
-    probe = torch.load(export.parent / "export_check.pt", weights_only=True)
+    top logits on the probe row the worker saved; returns the loaded model. `export` and
+    `check`: local copies of the export and its check file (object storage)."""
+    export = export or Path(run["output"]["model_path"])
+    probe = torch.load(check or export.parent / "export_check.pt", weights_only=True)
     assert "logits" not in probe  # the check keeps the top few per position, never all
     assert probe["input_ids"].shape[0] == 1 and probe["input_ids"].shape[1] <= 128
     model = auto.from_pretrained(export).eval()

@@ -1,0 +1,171 @@
+"""A two-node Ray cluster on this machine, as `ray start` builds one on two hosts: a head,
+and a second node joined with `ray start --address`, each with its own CPUs, ports and
+temp dir, token authentication on. Tests kill the second node's raylet by its PID (a
+node lost) and start a new second node."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from app.ports import free_ports
+
+# Every port a node opens, given free ones: Ray's defaults would collide with the shared
+# e2e service's own head on this machine.
+_NODE_PORT_FLAGS = (
+    "--node-manager-port",
+    "--object-manager-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+)
+_HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port")
+
+
+@dataclass
+class RayNode:
+    proc: subprocess.Popen[bytes]
+    temp_dir: str
+    node_manager_port: int
+
+    def node_id(self, cluster: TwoNodeCluster) -> str | None:
+        """This node's id while the cluster counts it alive, else None."""
+        return cluster.alive_nodes().get(self.node_manager_port)
+
+    def raylet_pid(self) -> int:
+        """The raylet of this node: the process Ray runs with this node's manager port."""
+        flag = f"--node_manager_port={self.node_manager_port}"
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if "raylet" in (proc.info["name"] or "") and flag in cmdline:
+                return int(proc.pid)
+        raise AssertionError(f"no raylet with {flag}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@dataclass
+class TwoNodeCluster:
+    root: Path
+    token_path: Path
+    gcs_address: str = ""
+    dashboard_url: str = ""
+    head: RayNode | None = None
+    nodes: list[RayNode] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a Ray client of this cluster (the service) needs."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
+
+    def start(self) -> None:
+        ports = free_ports(len(_HEAD_PORT_FLAGS))
+        head_ports = dict(zip(_HEAD_PORT_FLAGS, ports, strict=True))
+        self.gcs_address = f"127.0.0.1:{head_ports['--port']}"
+        self.dashboard_url = f"http://127.0.0.1:{head_ports['--dashboard-port']}"
+        self.head = self._start_node(
+            "head",
+            ["--head", "--include-dashboard=true", "--dashboard-host=127.0.0.1"]
+            + [f"{flag}={port}" for flag, port in head_ports.items()],
+        )
+        head = self.head
+        _wait_for(lambda: head.node_id(self) is not None, "the head to be up")
+        self.add_node()
+
+    def add_node(self) -> RayNode:
+        """A second node, joined to the head; returns once the cluster counts it alive."""
+        node = self._start_node(f"node{len(self.nodes) + 1}", [f"--address={self.gcs_address}"])
+        self.nodes.append(node)
+        _wait_for(lambda: node.node_id(self) is not None, "the second node to join")
+        return node
+
+    def alive_nodes(self) -> dict[int, str]:
+        """Alive nodes' manager ports → their node ids."""
+        try:
+            nodes = httpx.get(
+                f"{self.dashboard_url}/nodes?view=summary",
+                headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}"},
+                timeout=5,
+            ).json()["data"]["summary"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return {}
+        return {
+            n["raylet"]["nodeManagerPort"]: n["raylet"]["nodeId"]
+            for n in nodes
+            if n["raylet"].get("state") == "ALIVE"
+        }
+
+    def stop(self) -> None:
+        for node in [*self.nodes, *([self.head] if self.head else [])]:
+            node.stop()
+
+    def _start_node(self, name: str, args: list[str]) -> RayNode:
+        ports = dict(zip(_NODE_PORT_FLAGS, free_ports(len(_NODE_PORT_FLAGS)), strict=True))
+        # Short: Ray's socket paths under it must stay within 108 bytes.
+        digest = hashlib.sha256(f"{self.root}{name}".encode()).hexdigest()[:8]
+        temp_dir = f"/tmp/ty2n-{digest}"
+        env = {
+            **os.environ,
+            **self.env,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the node outlives this call
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("ray")),
+                "start",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=1",
+                "--disable-usage-stats",
+                f"--temp-dir={temp_dir}",
+                *args,
+                *(f"{flag}={port}" for flag, port in ports.items()),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        return RayNode(proc, temp_dir, ports["--node-manager-port"])
+
+
+def start_two_node_cluster(root: Path) -> TwoNodeCluster:
+    root.mkdir(parents=True, exist_ok=True)
+    token_path = root / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    cluster = TwoNodeCluster(root, token_path)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _wait_for(check: object, what: str, timeout_s: float = 120) -> None:
+    assert callable(check)
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
