@@ -117,7 +117,7 @@ class Run(Base):
     @property
     def definition(self) -> RunDefinition:
         """The stored spec, typed: what the run trains (metadata is kept beside it)."""
-        return RunDefinition.model_validate(self.spec)
+        return RunDefinition.of_resolved(self.spec)
 
 
 class Metric(Base):

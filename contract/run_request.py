@@ -427,6 +427,11 @@ class RunDefinition(BaseModel):
     def data_parallel_size(self) -> int:
         return self.resources.num_workers // self.deepspeed.tensor_parallel_size
 
+    @classmethod
+    def of_resolved(cls, spec: dict[str, Any]) -> RunDefinition:
+        """A spec the service resolved (a stored run's): its sources may be URIs in storage."""
+        return RunDefinition.model_validate(spec, context={RESOLVED_SPEC: True})
+
 
 class RunRequest(RunDefinition):
     """A fine-tuning run as a client asks for it (`POST /v1/runs`)."""

@@ -64,7 +64,7 @@ class CheckedRequest:
 
     @property
     def resolved(self) -> RunDefinition:
-        return RunDefinition.model_validate(self.spec)
+        return RunDefinition.of_resolved(self.spec)
 
 
 def check_run_request(

@@ -50,16 +50,17 @@ def test_an_upload_is_an_object_until_it_is_deleted(
         assert s3_env.keys(bucket) == [f"tuneyard/files/{file_id}.jsonl"]
         assert list(s3_settings.uploads_dir.iterdir()) == []  # nothing left on local disk
 
-        run = client.post(
-            "/v1/runs",
-            json={
-                "model": str(tiny_model_dir),
-                "dataset": {"source": file_id},
-                "training": {"max_steps": 2, "seq_length": 32},
-                "resources": {"num_workers": 1},
-            },
-            headers=auth,
-        )
+        body = {
+            "model": str(tiny_model_dir),
+            "dataset": {"source": file_id},
+            "training": {"max_steps": 2, "seq_length": 32},
+            "resources": {"num_workers": 1},
+        }
+        report = client.post("/v1/runs/validate", json=body, headers=auth)
+        assert report.status_code == 200 and report.json()["valid"], report.text
+        run = client.post("/v1/runs", json=body, headers=auth)
+        # The stored run reads back whole (its source is a URI the service wrote).
+        assert client.get(f"/v1/runs/{run.json()['id']}", headers=auth).status_code == 200
         assert run.status_code == 201, run.text
         source = run.json()["spec"]["dataset"]["source"]
         assert source == f"{s3_settings.storage.root}/files/{file_id}.jsonl"
