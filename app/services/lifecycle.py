@@ -186,6 +186,10 @@ def attempts_remain(run: Run) -> bool:
     return run.resubmits < run.definition.fault_tolerance.max_resubmits
 
 
+# How the reason of an attempt lost under the run begins (see `_loss_behind_attempt`).
+_LOST = "lost: "
+
+
 def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
     """The attempt was lost under the run (the head restarted, a node died): a new attempt
     that resumes from the latest checkpoint, while fault_tolerance.max_resubmits allows."""
@@ -210,6 +214,19 @@ def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
         new_attempt=True,
         message=f"{reason}; attempt {run.attempt + 1} resumes from the latest checkpoint",
     )
+
+
+def _loss_behind_attempt(session: Session, run: Run) -> str | None:
+    """Why `requeue_or_fail` started the run's current attempt, if it did."""
+    queued = session.scalars(
+        select(Event.message)
+        .where(Event.run_id == run.id, Event.type == "status", Event.status == RunStatus.QUEUED)
+        .order_by(Event.id.desc())
+        .limit(1)
+    ).first()
+    if queued is None or not queued.startswith(_LOST):
+        return None
+    return queued.split(f"; attempt {run.attempt} resumes", 1)[0]
 
 
 def settle(
@@ -286,12 +303,21 @@ def apply_worker_status(
             message=f"the worker stopped: {failure.message if failure else ''}",
         )
         return
+    # An attempt started because the last one was lost (a node died) that finds no room:
+    # the loss is why, and the user must read it in the run's error.
+    if (
+        status == RunStatus.FAILED
+        and failure is not None
+        and failure.code == "unplaceable"
+        and (lost := _loss_behind_attempt(session, run)) is not None
+    ):
+        failure = Failure(failure.code, f"{lost}; then attempt {run.attempt}: {failure.message}")
     if status == RunStatus.FAILED and failure is not None and failure.code == "cluster_error":
         # Ray failed under the run (the head or a node went away), not the training.
         requeue_or_fail(
             session,
             run,
-            reason=f"lost: the cluster failed under attempt {run.attempt} ({failure.message})",
+            reason=f"{_LOST}the cluster failed under attempt {run.attempt} ({failure.message})",
         )
         return
     _move(session, run, status, message=message, failure=failure)
@@ -327,7 +353,7 @@ def apply_ray_state(
             requeue_or_fail(
                 session,
                 run,
-                reason=f"lost: Ray no longer knows job {run.ray_submission_id} "
+                reason=f"{_LOST}Ray no longer knows job {run.ray_submission_id} "
                 "(the head restarted?)",
             )
     elif ray_status == "FAILED":

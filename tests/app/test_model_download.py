@@ -98,26 +98,24 @@ def test_the_cli_downloads_into_a_new_folder(
     _export(client, settings, started, tiny_model_dir)
     with served(create_app(settings, start_background=False)) as url:
         dest = tmp_path / "my-model"
-        result = subprocess.run(
-            [sys.executable, "-m", "app", "download", run_id, str(dest)],
-            env={"TUNEYARD_URL": url, "TUNEYARD_API_KEY": api_key, "PATH": ""},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+
+        def download() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "app", "download", run_id, str(dest)],
+                env={"TUNEYARD_URL": url, "TUNEYARD_API_KEY": api_key, "PATH": ""},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        result = download()
         assert result.returncode == 0, result.stderr
         assert f"model in {dest}" in result.stdout
         config = json.loads((dest / "config.json").read_text())
         assert config == json.loads((tiny_model_dir / "config.json").read_text())
         AutoModelForCausalLM.from_pretrained(dest)
         # An existing folder is never written into.
-        again = subprocess.run(
-            [sys.executable, "-m", "app", "download", run_id, str(dest)],
-            env={"TUNEYARD_URL": url, "TUNEYARD_API_KEY": api_key, "PATH": ""},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        again = download()
         assert again.returncode == 2 and "already exists" in again.stderr
         # A refused download leaves no folder behind.
         with TuneyardClient(url, "not-a-key") as stranger, pytest.raises(ApiError) as refused:

@@ -53,6 +53,16 @@ class Service:
                 pass
             time.sleep(0.5)
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Service]:
+        """Started for the block, stopped cleanly after it."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.http.close()
+            self.stop()
+
     def kill(self) -> None:
         """kill -9: no shutdown code runs, as in a crash."""
         assert self.proc is not None
@@ -151,9 +161,5 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path) ->
         tmp_path_factory.mktemp("datasets"),
         [tiny_models_root],
     )
-    try:
-        svc.start()
+    with svc.running():
         yield svc
-    finally:
-        svc.http.close()
-        svc.stop()

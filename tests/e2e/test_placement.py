@@ -57,12 +57,8 @@ def autoscaling_service(
             "TUNEYARD_PLACEMENT_TIMEOUT_S": str(PLACEMENT_TIMEOUT_S),
         }
     )
-    svc.start()
-    try:
+    with svc.running():
         yield svc
-    finally:
-        svc.http.close()
-        svc.stop()
 
 
 def test_a_gpu_run_on_the_cpu_cluster_is_refused_at_validation(

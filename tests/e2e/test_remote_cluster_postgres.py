@@ -40,12 +40,10 @@ def remote_service(
             "TUNEYARD_STORAGE_PATH": str(service.home / "storage"),
         }
     )
-    svc.start()
     try:
-        yield svc
+        with svc.running():
+            yield svc
     finally:
-        svc.http.close()
-        svc.stop()
         drop_postgres_database(database)
 
 

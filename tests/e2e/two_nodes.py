@@ -98,6 +98,12 @@ class TwoNodeCluster:
         _wait_for(lambda: node.node_id(self) is not None, "the second node to join")
         return node
 
+    def head_node_id(self) -> str:
+        assert self.head is not None
+        node_id = self.head.node_id(self)
+        assert node_id is not None, "the head is not alive"
+        return node_id
+
     def alive_nodes(self) -> dict[int, str]:
         """Alive nodes' manager ports → their node ids."""
         try:
