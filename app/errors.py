@@ -32,13 +32,6 @@ class InvalidTransition(Conflict):
     error = "invalid_transition"
 
 
-class StorageUnavailable(TuneyardError):
-    """TUNEYARD_STORAGE_PATH cannot be read now (an object store down, credentials refused)."""
-
-    status_code = 503
-    error = "storage_unavailable"
-
-
 class PayloadTooLarge(TuneyardError):
     status_code = 413
     error = "payload_too_large"

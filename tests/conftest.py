@@ -8,6 +8,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,10 +198,10 @@ def _boto_credentials() -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+@contextmanager
+def running_s3_server(log: Path) -> Iterator[S3Server]:
+    """moto's server on a free loopback port while the block runs."""
     port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
@@ -228,6 +229,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with running_s3_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 @pytest.fixture

@@ -163,9 +163,9 @@ def export_hf_model(
                 },
                 stage / EXPORT_CHECK_NAME,
             )
-        for export in exports:  # checked locally; users see where they are in storage
-            export.path = storage.join(spec.run_id, os.path.relpath(export.path, stage))
         for export in exports:
+            # Checked where it was written; users see where it is in storage.
+            export.path = storage.join(spec.run_id, os.path.relpath(export.path, stage))
             log.info(
                 "exported %s to %s (max |logit diff| %.3g)",
                 export.kind,

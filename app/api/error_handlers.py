@@ -18,6 +18,7 @@ from app.api.deps import bearer_token
 from app.api.openai_compat import openai_error, speaks_openai
 from app.api.security_headers import security_headers
 from app.errors import TuneyardError, bearer_challenge, problems_from_pydantic
+from contract.storage import StorageError
 
 _INTERNAL_ERROR = "internal server error; the service log has the details"
 
@@ -26,6 +27,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TuneyardError)
     async def _domain(request: Request, exc: TuneyardError) -> JSONResponse:
         return _error(request, exc.status_code, exc.error, exc.detail)
+
+    @app.exception_handler(StorageError)
+    async def _storage(request: Request, exc: StorageError) -> JSONResponse:
+        # The object store is down or refuses the service's credentials: the request may
+        # work again later, and the message names the location, never a credential.
+        return _error(request, 503, "storage_unavailable", str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -240,7 +240,7 @@ def delete_file(
     location = files.delete_file(session, file_id=file_id, owner_id=principal.id)
     # Background tasks run after the request's commit: the row goes first, the bytes after
     # it, so a crash in between leaves only unreferenced bytes, never a row without its file.
-    background.add_task(settings.storage.delete, location)
+    background.add_task(files.remove_stored, settings.storage, location)
     return FileDeleted(id=file_id, deleted=True)
 
 

@@ -327,7 +327,11 @@ def resume_run(
     responses={
         200: {
             "description": "A tar archive of the export folder's files",
-            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+            # octet-stream, not application/x-tar: the type generated clients (and
+            # openapi-python-client) read as a file; the name says what it holds.
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
         },
         **error_responses(
             {
@@ -341,14 +345,14 @@ def resume_run(
         ),
     },
 )
-def download_model(
+def get_model(
     run_id: RunId, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
 ) -> StreamingResponse:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     location, files = model_download.model_files(run, settings.storage)
     return StreamingResponse(
         model_download.tar_chunks(settings.storage, location, files),
-        media_type="application/x-tar",
+        media_type="application/octet-stream",
         headers={"Content-Disposition": f'attachment; filename="{run.id}-model.tar"'},
     )
 

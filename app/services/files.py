@@ -38,7 +38,7 @@ from app.models import File, Run, new_id
 from app.services.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
 from app.status import TERMINAL_STATUSES
 from contract.datasets import FILE_FORMATS, Purpose, file_format
-from contract.storage import Storage
+from contract.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,15 @@ def delete_file(session: Session, *, file_id: str, owner_id: str) -> str:
     session.delete(upload)
     session.flush()
     return upload.path
+
+
+def remove_stored(storage: Storage, location: str) -> None:
+    """Remove a deleted file's bytes; one that cannot be removed now is only logged (its
+    row is gone: nothing reaches it any more)."""
+    try:
+        storage.delete(location)
+    except StorageError as exc:
+        log.warning("could not remove a deleted file's bytes: %s", exc)
 
 
 _last_sweep: dict[Path, float] = {}

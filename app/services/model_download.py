@@ -12,7 +12,7 @@ from __future__ import annotations
 import tarfile
 from collections.abc import Iterator
 
-from app.errors import Conflict, NotFound, StorageUnavailable
+from app.errors import Conflict, NotFound
 from app.models import Run
 from contract.storage import Storage, StorageError, StoredFile
 
@@ -33,10 +33,7 @@ def model_files(run: Run, storage: Storage) -> tuple[str, list[StoredFile]]:
             f"run {run.id}'s model is at {location!r}, outside this service's storage "
             "(TUNEYARD_STORAGE_PATH changed since?): read it from there"
         )
-    try:
-        files = storage.files(location)
-    except StorageError as exc:
-        raise StorageUnavailable(str(exc)) from exc
+    files = storage.files(location)  # a StorageError is answered 503 (error_handlers.py)
     if not files:
         raise NotFound(f"run {run.id}'s exported model is no longer in storage ({location})")
     return location, files

@@ -71,7 +71,7 @@ def test_the_model_downloads_as_a_tar_that_loads(
     )
     r = client.get(f"/v1/runs/{run_id}/model", headers=auth)
     assert r.status_code == 200, r.text
-    assert r.headers["content-type"] == "application/x-tar"
+    assert r.headers["content-type"] == "application/octet-stream"
     assert f'filename="{run_id}-model.tar"' in r.headers["content-disposition"]
     with tarfile.open(fileobj=io.BytesIO(r.content)) as archive:
         names = sorted(archive.getnames())
@@ -159,3 +159,42 @@ def test_another_tenants_run_is_not_found(
     _export(client, settings, started, tiny_model_dir)
     other = {"Authorization": f"Bearer {make_api_key(session_factory, name='team-b')}"}  # type: ignore[arg-type]
     assert client.get(f"/v1/runs/{started[0]}/model", headers=other).status_code == 404
+
+
+def test_an_object_store_that_stops_answering_is_a_503(
+    tmp_path: Path,
+    database_url: str,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.db import make_engine, make_session_factory
+    from app.migrate import upgrade_database
+    from tests.app.test_dispatch import ScriptedRay, dispatch_to
+    from tests.conftest import make_api_key, running_s3_server
+    from tests.factories import run_request
+
+    with running_s3_server(tmp_path / "moto.log") as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        settings = Settings(
+            home=tmp_path / "home",
+            database_url=database_url,
+            allowed_roots=f"{tmp_path}:{tiny_model_dir}",
+            storage_path=f"s3://{server.create_bucket()}/tuneyard",
+        )
+        upgrade_database(settings.resolved_database_url)
+        factory = make_session_factory(make_engine(settings.resolved_database_url))
+        auth = {"Authorization": f"Bearer {make_api_key(factory)}"}
+        client = TestClient(create_app(settings, start_background=False))
+        client.__enter__()
+        run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
+        ray = dispatch_to(ScriptedRay(), settings, factory)
+        token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+        _export(client, settings, (run_id, {"Authorization": f"Bearer {token}"}), tiny_model_dir)
+    try:
+        r = client.get(f"/v1/runs/{run_id}/model", headers=auth)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == "storage_unavailable"
+        assert settings.storage.root in r.json()["detail"]
+    finally:
+        client.__exit__(None, None, None)
