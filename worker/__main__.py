@@ -35,9 +35,11 @@ def main() -> int:
         log.info("finished, checkpoint %s", result.checkpoint)
     except BaseException as exc:
         message, code = describe_failure(exc), failure_code(exc)
-        if lost := lost_nodes_note(nodes_at_start):
-            # Whatever Ray Train said after (a worker died, no room to restart), the cause
-            # is the node; a resume can go on once the cluster has room again.
+        # A failure that was not the training code's own, after a node died: whatever Ray
+        # Train said after (a worker died, no room to restart), the cause is the node, and
+        # a resume can go on once the cluster has room again. (An error the training code
+        # raised stays its own: an autoscaler removing an idle node is no cause.)
+        if code != "training_error" and (lost := lost_nodes_note(nodes_at_start)):
             message, code = f"{lost}: {message}", "cluster_error"
         log.error("failed (%s): %s", code, message)
         client.status("failed", error=message, code=code)
