@@ -243,9 +243,9 @@ def list_checkpoints(
     run_id: RunId, session: SessionDep, principal: CurrentPrincipal
 ) -> CheckpointList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    return CheckpointList(
-        data=[CheckpointView.of(c) for c in run_data.list_checkpoints(session, run=run)]
-    )
+    listed = run_data.list_checkpoints(session, run=run)
+    pruned = run_data.pruned_checkpoints(listed, keep_last=run.definition.checkpointing.keep_last)
+    return CheckpointList(data=[CheckpointView.of(c, pruned=c.id in pruned) for c in listed])
 
 
 @router.get(

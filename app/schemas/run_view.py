@@ -269,9 +269,14 @@ class CheckpointView(BaseModel):
     )
     attempt: int
     created_at: datetime
+    pruned: bool = Field(
+        default=False,
+        description="Deleted from storage by `checkpointing.keep_last`: Ray Train keeps the "
+        "newest `keep_last` DeepSpeed checkpoints of a run, across its attempts.",
+    )
 
     @classmethod
-    def of(cls, c: Checkpoint) -> CheckpointView:
+    def of(cls, c: Checkpoint, *, pruned: bool = False) -> CheckpointView:
         metrics, nonfinite = split_metric_map(c.metrics)
         return cls(
             step=c.step,
@@ -282,6 +287,7 @@ class CheckpointView(BaseModel):
             nonfinite_metrics=nonfinite,
             attempt=c.attempt,
             created_at=as_utc(c.created_at),
+            pruned=pruned,
         )
 
 

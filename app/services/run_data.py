@@ -76,6 +76,14 @@ def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:
     return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
 
 
+def pruned_checkpoints(checkpoints: list[Checkpoint], *, keep_last: int) -> set[int]:
+    """The ids of the DeepSpeed checkpoints Ray Train has deleted from storage: it keeps the
+    newest `keep_last` a run reported, in the order reported, across attempts (a resumed
+    attempt restores Ray Train's checkpoint manager with the checkpoints)."""
+    reported = sorted((c for c in checkpoints if c.kind == "deepspeed"), key=lambda c: c.id)
+    return {c.id for c in reported[: max(len(reported) - keep_last, 0)]}
+
+
 def list_events(session: Session, *, run: Run, after: int | None, limit: int) -> list[Event]:
     """Oldest first; `after` is the id of the last event the client has seen."""
     query = select(Event).where(Event.run_id == run.id)

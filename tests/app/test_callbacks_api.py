@@ -224,6 +224,27 @@ class TestCheckpointCallback:
             "latest_checkpoint": "/storage/run/checkpoint_5",
         }
 
+    def test_checkpoints_beyond_keep_last_are_marked_pruned(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        keep_last = run["spec"]["checkpointing"]["keep_last"]
+        steps = list(range(1, keep_last + 3))
+        for step in steps:
+            body = {"attempt": 1, "step": step, "path": f"/s/ckpt_{step}", "kind": "deepspeed"}
+            r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
+            assert r.status_code == 200, r.text
+        export = {"attempt": 1, "step": steps[-1], "path": "/s/export", "kind": "hf"}
+        client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=export, headers=worker)
+        listed = client.get(f"/v1/runs/{run_id}/checkpoints", headers=auth).json()["data"]
+        pruned = {c["path"]: c["pruned"] for c in listed}
+        # Ray Train deleted all but the newest keep_last; an export is never pruned.
+        assert pruned == {
+            **{f"/s/ckpt_{s}": s <= steps[-1] - keep_last for s in steps},
+            "/s/export": False,
+        }
+
     def test_unknown_kind_is_422(
         self, client: TestClient, started: tuple[str, dict[str, str]]
     ) -> None:
