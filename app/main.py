@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from app.api import files, fine_tuning, health, internal, prometheus, runs
+from app.api import dashboard, files, fine_tuning, health, internal, prometheus, runs
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
@@ -100,6 +100,9 @@ def create_app(
         summary="Fine-tune language models on Ray Train + DeepSpeed over HTTP.",
         lifespan=lifespan,
         generate_unique_id_function=operation_id,
+        # Served by app/api/dashboard.py from vendored assets, at the same paths.
+        docs_url=None,
+        redoc_url=None,
     )
     mark_uploads_binary(app)
     read_session_factory = make_session_factory(read_engine)
@@ -118,6 +121,8 @@ def create_app(
     app.include_router(internal.router)
     app.include_router(health.router)
     app.include_router(prometheus.router)
+    app.include_router(dashboard.router)
+    app.mount(dashboard.STATIC_URL, dashboard.static_files(), name="static")
     return app
 
 

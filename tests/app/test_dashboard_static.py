@@ -1,0 +1,146 @@
+"""The dashboard and the API docs are served by the app itself, from vendored files: pages
+and assets answer without a key, nothing loads from a CDN, and the API still wants a key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api.dashboard import STATIC_DIR
+
+PAGES = {
+    "/": "runs-list.js",
+    "/runs/run_123": "run-page.js",
+    "/compare?runs=a,b": "compare.js",
+    "/submit": "submit.js",
+}
+VENDORED = [
+    "/static/vendor/uplot/uPlot.iife.min.js",
+    "/static/vendor/uplot/uPlot.min.css",
+    "/static/vendor/swagger-ui-dist/swagger-ui-bundle.js",
+    "/static/vendor/swagger-ui-dist/swagger-ui.css",
+    "/static/vendor/swagger-ui-dist/favicon-32x32.png",
+    "/static/vendor/redoc/redoc.standalone.js",
+]
+_URL_IN_TAG = re.compile(r"""(?:src|href)\s*=\s*["']([^"']+)["']""")
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: what is served does not depend on the database."""
+    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+
+
+def _loaded_urls(html: str) -> list[str]:
+    return _URL_IN_TAG.findall(html)
+
+
+class TestPages:
+    @pytest.mark.parametrize("path", PAGES)
+    def test_each_page_is_served_without_a_key(self, client: TestClient, path: str) -> None:
+        response = client.get(path)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/html")
+        assert f'src="/static/js/{PAGES[path]}"' in response.text
+        assert 'id="key-dialog"' in response.text
+        # The HTML may load its scripts, but never be framed.
+        assert response.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
+
+    @pytest.mark.parametrize("path", PAGES)
+    def test_every_asset_a_page_loads_is_local_and_served(
+        self, client: TestClient, path: str
+    ) -> None:
+        urls = _loaded_urls(client.get(path).text)
+        assert urls
+        for url in urls:
+            if url.startswith("/static/"):
+                assert client.get(url).status_code == 200, url
+            else:
+                assert url.startswith("/") and not url.startswith("//"), url
+
+    def test_every_module_a_script_imports_exists(self) -> None:
+        scripts = STATIC_DIR / "js"
+        for script in scripts.glob("*.js"):
+            for name in re.findall(r'from "\./([\w-]+\.js)"', script.read_text()):
+                assert (scripts / name).is_file(), f"{script.name} imports missing {name}"
+
+
+class TestVendoredAssets:
+    @pytest.mark.parametrize("url", VENDORED)
+    def test_is_served(self, client: TestClient, url: str) -> None:
+        response = client.get(url)
+        assert response.status_code == 200
+        assert len(response.content) > 500
+
+    def test_each_library_keeps_its_licence_and_the_readme_names_its_version(self) -> None:
+        vendor = STATIC_DIR / "vendor"
+        readme = (vendor / "README.md").read_text()
+        for name, version in (
+            ("uplot", "1.6.32"),
+            ("swagger-ui-dist", "5.35.0"),
+            ("redoc", "2.5.4"),
+        ):
+            assert (vendor / name / "LICENSE").is_file(), name
+            assert f"| {version} |" in readme, name
+
+    def test_a_path_outside_the_static_folder_is_refused(self, client: TestClient) -> None:
+        assert client.get("/static/../main.py").status_code == 404
+        assert client.get("/static/%2e%2e/main.py").status_code == 404
+
+
+class TestDocsUseVendoredAssets:
+    @pytest.mark.parametrize("path", ["/docs", "/redoc"])
+    def test_no_cdn(self, client: TestClient, path: str) -> None:
+        response = client.get(path)
+        assert response.status_code == 200
+        assert not re.search(r"https?://", response.text), response.text
+        urls = _loaded_urls(response.text)
+        assert any(u.startswith("/static/vendor/") and u.endswith(".js") for u in urls), urls
+        for url in urls:
+            assert client.get(url).status_code == 200, url
+
+    def test_swagger_ui_loads_the_document_and_keeps_its_oauth_redirect(
+        self, client: TestClient
+    ) -> None:
+        html = client.get("/docs").text
+        assert "/openapi.json" in html
+        assert "/docs/oauth2-redirect" in html
+        redirect = client.get("/docs/oauth2-redirect")
+        assert redirect.status_code == 200
+        assert "oauth2" in redirect.text.lower()
+
+    def test_redoc_loads_the_document(self, client: TestClient) -> None:
+        assert 'spec-url="/openapi.json"' in client.get("/redoc").text
+
+
+class TestSchema:
+    def test_the_pages_are_not_api_operations(self, client: TestClient) -> None:
+        document: dict[str, Any] = client.get("/openapi.json").json()
+        paths = set(document["paths"])
+        for page in ("/", "/runs/{run_id}", "/compare", "/submit", "/docs", "/redoc"):
+            assert page not in paths
+        assert not any(p.startswith("/static") for p in paths)
+
+
+class TestApiStillWantsAKey:
+    @pytest.mark.parametrize(
+        ("method", "path"),
+        [
+            ("GET", "/v1/runs"),
+            ("GET", "/v1/runs/run_123"),
+            ("GET", "/v1/runs/run_123/events/stream"),
+            ("POST", "/v1/runs/validate"),
+            ("POST", "/v1/runs/run_123/cancel"),
+        ],
+    )
+    def test_without_a_key(self, client: TestClient, method: str, path: str) -> None:
+        response = client.request(method, path, json={} if method == "POST" else None)
+        assert response.status_code == 401
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+    def test_with_a_key(self, client: TestClient, auth: dict[str, str]) -> None:
+        assert client.get("/v1/runs", headers=auth).status_code == 200

@@ -1,0 +1,254 @@
+"""The web dashboard in a real browser (the system Chromium, driven by Playwright) against
+the real service: the key prompt, the runs list, a run's live curves and its cancel button,
+the comparison of two runs, and the submit form's checks. Screenshots of each page go to
+docs/dashboard-*.png."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.tiny_assets import write_jsonl_dataset
+from tests.e2e.conftest import Service
+
+pytestmark = pytest.mark.e2e
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+VIEWPORT = {"width": 1280, "height": 800}
+# Long enough to still be training when the test cancels it from the page.
+LONG_STEPS = 400
+SHORT_STEPS = 8
+
+
+def _request(model: Path, data: Path, *, steps: int, name: str, seed: int = 42) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "dataset": {"source": str(data), "text_field": "text"},
+        "training": {
+            "max_steps": steps,
+            "learning_rate": 3e-3,
+            "batch_size_per_worker": 8,
+            "seq_length": 64,
+            "seed": seed,
+        },
+        "deepspeed": {"zero_stage": 2},
+        "resources": {"num_workers": 1},
+        "checkpointing": {"every_n_steps": 4, "export_hf": True},
+        "fault_tolerance": {"max_failures": 0},
+        "metadata": {"test": "dashboard", "run": name},
+    }
+
+
+@pytest.fixture(scope="module")
+def dataset(service: Service) -> Path:
+    return write_jsonl_dataset(service.data_dir / "dashboard.jsonl", rows=400)
+
+
+@pytest.fixture(scope="module")
+def long_run(service: Service, tiny_model_dir: Path, dataset: Path) -> dict[str, Any]:
+    return service.submit(_request(tiny_model_dir, dataset, steps=LONG_STEPS, name="long"))
+
+
+@pytest.fixture(scope="module")
+def short_run(service: Service, tiny_model_dir: Path, dataset: Path) -> dict[str, Any]:
+    return service.submit(
+        _request(tiny_model_dir, dataset, steps=SHORT_STEPS, name="short", seed=7)
+    )
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("the system Chromium (/usr/bin/chromium) is not installed")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh tab (so no key yet); fails the test on any uncaught script error."""
+    context = browser.new_context(viewport=VIEWPORT)
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda error: errors.append(str(error)))
+    yield tab
+    context.close()
+    assert not errors, errors
+
+
+def open_with_key(page: Any, service: Service, path: str) -> None:
+    """Open a page; the service wants a key, so the page asks for one: enter it."""
+    page.goto(service.base_url + path)
+    dialog = page.locator("#key-dialog")
+    dialog.wait_for(state="visible")
+    dialog.locator("input").fill(service.api_key)
+    dialog.locator("button[type=submit]").click()
+    dialog.wait_for(state="hidden")
+
+
+def screenshot(page: Any, name: str) -> None:
+    DOCS.mkdir(exist_ok=True)
+    page.screenshot(path=str(DOCS / f"dashboard-{name}.png"))
+
+
+def points(page: Any, chart: str) -> int:
+    return int(page.locator(f"#chart-{chart}").get_attribute("data-points") or 0)
+
+
+def test_a_wrong_key_is_refused_and_the_list_shows_the_runs(
+    service: Service, page: Any, long_run: dict[str, Any], short_run: dict[str, Any]
+) -> None:
+    page.goto(service.base_url + "/")
+    dialog = page.locator("#key-dialog")
+    dialog.locator("input").fill("not-a-key")
+    dialog.locator("button[type=submit]").click()
+    # Asked again, saying why; nothing is listed without a valid key.
+    page.locator("#key-dialog .key-error").wait_for(state="visible")
+    assert page.locator("#runs tbody tr").count() == 0
+    dialog.locator("input").fill(service.api_key)
+    dialog.locator("button[type=submit]").click()
+
+    for run in (long_run, short_run):
+        page.locator(f'tr[data-run-id="{run["id"]}"]').wait_for()
+    row = page.locator(f'tr[data-run-id="{long_run["id"]}"]')
+    assert "ZeRO-2 · 1 worker" in row.inner_text()
+    assert "causal_lm · sft" in row.inner_text()
+    # Newest first.
+    ids = page.locator("#runs tbody tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
+    assert ids.index(short_run["id"]) < ids.index(long_run["id"])
+
+    # A metadata filter narrows the list, and lives in the address.
+    page.fill("#filters input[name=metadata]", "run=short")
+    page.click("#filters button[type=submit]")
+    page.wait_for_function(
+        "document.querySelectorAll('#runs tbody tr').length === 1", timeout=10_000
+    )
+    assert "metadata.run=short" in page.url
+    page.goto(service.base_url + "/")  # the key is kept for the tab: no prompt this time
+    page.locator(f'tr[data-run-id="{long_run["id"]}"]').wait_for()
+    assert not page.locator("#key-dialog").is_visible()
+    page.wait_for_function(  # the loss column fills in as the runs train
+        "[...document.querySelectorAll('.loss-value')].some(e => /\\d/.test(e.textContent))",
+        timeout=180_000,
+    )
+    # Each loss has its sparkline, kept across refreshes.
+    page.locator(f'tr[data-run-id="{long_run["id"]}"] .spark canvas').wait_for(timeout=30_000)
+    screenshot(page, "list")
+
+
+def test_the_run_page_draws_the_loss_live_and_cancels_the_run(
+    service: Service, page: Any, long_run: dict[str, Any]
+) -> None:
+    open_with_key(page, service, f"/runs/{long_run['id']}")
+    page.wait_for_function(
+        "Number(document.querySelector('#chart-loss').dataset.points) > 0", timeout=240_000
+    )
+    first = points(page, "loss")
+    page.wait_for_function(
+        f"Number(document.querySelector('#chart-loss').dataset.points) > {first}",
+        timeout=60_000,
+    )
+    assert service.http.get(f"/v1/runs/{long_run['id']}").json()["status"] == "running"
+    assert points(page, "learning_rate") > 0 and points(page, "tokens_per_second") > 0
+    # The request as submitted, and what /validate resolves it to.
+    assert json.loads(page.locator("#spec").inner_text())["training"]["max_steps"] == LONG_STEPS
+    page.wait_for_function("document.querySelector('#resolved').textContent.includes('zero')")
+    page.locator("#events li").first.wait_for()
+    page.wait_for_function(
+        "!document.querySelector('#log').textContent.startsWith('…')", timeout=30_000
+    )
+    screenshot(page, "run")
+
+    page.click("#cancel")
+    run = service.wait_terminal(long_run["id"], timeout_s=120)
+    assert run["status"] == "cancelled"
+    assert run["progress"]["step"] < LONG_STEPS
+    page.locator("#run-status .status-cancelled").wait_for(timeout=30_000)
+    assert page.locator("#resume").is_enabled()
+
+
+def test_a_finished_run_shows_its_checkpoints_model_and_log(
+    service: Service, page: Any, short_run: dict[str, Any]
+) -> None:
+    run = service.wait_terminal(short_run["id"], timeout_s=300)
+    assert run["status"] == "succeeded", run["error"]
+    open_with_key(page, service, f"/runs/{run['id']}")
+    page.locator("#run-status .status-succeeded").wait_for()
+    assert page.locator("#cancel").is_disabled()
+    page.wait_for_function(
+        f"Number(document.querySelector('#chart-loss').dataset.points) === {SHORT_STEPS}"
+    )
+    checkpoints = service.http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]
+    table = page.locator("#checkpoints tbody")
+    page.wait_for_function(
+        f"document.querySelectorAll('#checkpoints tbody tr').length === {len(checkpoints)}"
+    )
+    for checkpoint in checkpoints:
+        assert checkpoint["path"] in table.inner_text()
+    model = page.locator("#model-output").inner_text()
+    assert run["output"]["model_path"] in model
+    assert f"tuneyard download {run['id']}" in model
+    events = page.locator("#events").inner_text()
+    assert "queued" in events and "succeeded" in events
+    page.wait_for_function("document.querySelector('#log').textContent.includes('tuneyard')")
+    assert "\x1b[" not in page.locator("#log").inner_text()
+
+
+def test_compare_overlays_the_loss_of_two_runs(
+    service: Service, page: Any, long_run: dict[str, Any], short_run: dict[str, Any]
+) -> None:
+    short = service.wait_terminal(short_run["id"], timeout_s=300)
+    assert short["status"] == "succeeded", short["error"]
+    service.wait_terminal(long_run["id"], timeout_s=120)
+    open_with_key(page, service, f"/compare?runs={long_run['id']},{short_run['id']}")
+    page.wait_for_function(
+        "document.querySelectorAll('#compare-table tbody tr').length === 2", timeout=30_000
+    )
+    legend = page.locator("#chart-compare .u-legend").inner_text()
+    assert long_run["id"] in legend and short_run["id"] in legend
+    long_steps = service.http.get(f"/v1/runs/{long_run['id']}").json()["progress"]["step"]
+    assert points(page, "compare") >= SHORT_STEPS + long_steps - 2  # both curves, all steps
+    screenshot(page, "compare")
+
+
+def test_submit_lists_problems_by_field_then_creates_the_run(
+    service: Service, page: Any, tiny_model_dir: Path, dataset: Path
+) -> None:
+    open_with_key(page, service, "/submit")
+    # Prefilled with one of the API's examples, and checked at once.
+    page.wait_for_function("document.querySelector('#editor').value.includes('model')")
+    page.wait_for_function("!document.querySelector('#validity').textContent.includes('…')")
+
+    bad = _request(tiny_model_dir, dataset, steps=SHORT_STEPS, name="form")
+    bad["training"]["learning_rate"] = -1
+    bad["deepspeed"]["zero_stage"] = 7
+    page.fill("#editor", json.dumps(bad, indent=2))
+    problem = page.locator('#problems li[data-field="training.learning_rate"]')
+    problem.wait_for(timeout=10_000)
+    assert "greater than 0" in problem.inner_text()
+    page.locator('#problems li[data-field="deepspeed.zero_stage"]').wait_for()
+    assert page.locator("#submit-run").is_disabled()
+    screenshot(page, "submit")
+
+    good = _request(tiny_model_dir, dataset, steps=SHORT_STEPS, name="form")
+    page.fill("#editor", json.dumps(good, indent=2))
+    page.locator("#validity.ok").wait_for(timeout=10_000)
+    assert page.locator("#problems li").count() == 0
+    assert "zero_optimization" in page.locator("#resolved").inner_text()
+    page.click("#submit-run")
+    page.wait_for_url(f"{service.base_url}/runs/run_*", timeout=10_000)
+    run_id = page.url.rsplit("/", 1)[-1]
+    run = service.http.get(f"/v1/runs/{run_id}").json()
+    assert run["metadata"] == {"test": "dashboard", "run": "form"}
+    service.http.post(f"/v1/runs/{run_id}/cancel")  # its training is not what is tested here
+    service.wait_terminal(run_id, timeout_s=120)
