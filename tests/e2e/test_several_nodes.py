@@ -179,6 +179,8 @@ def test_a_zero3_run_on_two_nodes_checkpoints_resumes_and_exports_to_s3(
         if key.split("/")[2].startswith("checkpoint_step_")
     }
     assert kept == {"checkpoint_step_00000008"}, kept
+    # The list says which ones keep_last pruned: exactly those no longer in the bucket.
+    assert [c["path"].rsplit("/", 1)[1] for c in recorded if not c["pruned"]] == sorted(kept)
 
     # The job got the cluster's settings and the object store's endpoint and credentials.
     jobs = JobSubmissionClient(
