@@ -101,6 +101,8 @@ class Run(Base):
     latest_metrics: Mapped[dict[str, float | str]] = mapped_column(JSON, default=dict)
     model_path: Mapped[str | None] = mapped_column(Text)
     latest_checkpoint: Mapped[str | None] = mapped_column(Text)
+    # Why it stopped and its best checkpoint (app/services/run_result.py); None until then.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow

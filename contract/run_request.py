@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from contract.bounds import INT32_MAX, refuse_nul
+from contract.eval_metrics import Mode, default_mode
 from contract.examples import (
     BERT_MRPC_ZERO3,
     DPO_LORA,
@@ -301,8 +302,141 @@ class CheckpointingSpec(BaseModel):
     model_config = _strict
 
     every_n_steps: int | None = Field(default=None, gt=0, le=MAX_STEPS)
-    keep_last: int = Field(default=2, gt=0, le=1_000)
+    keep_last: int = Field(
+        default=2,
+        gt=0,
+        le=1_000,
+        description="How many DeepSpeed checkpoints stay in storage: the newest ones; with a "
+        "best metric (best_metric, early_stopping or export.from 'best'), the best ones by "
+        "it, as Ray Train's CheckpointConfig(num_to_keep, checkpoint_score_attribute) keeps "
+        "them. The latest is always kept, for resume.",
+    )
     export_hf: bool = True
+    best_metric: Name | None = Field(
+        default=None,
+        description="An evaluation metric (eval_loss, eval_accuracy, ...) that ranks the "
+        "checkpoints: the best one is marked in the checkpoints list and kept whatever "
+        "keep_last says. Unset: early_stopping's metric, or eval_loss with export.from "
+        "'best'. Needs evaluation; a checkpoint is then saved at every evaluation.",
+    )
+    best_mode: Mode | None = Field(
+        default=None,
+        description="min or max: which way best_metric improves. Unset: min for losses and "
+        "perplexity, max for anything else.",
+    )
+
+
+class EarlyStoppingSpec(BaseModel):
+    """Stop when evaluation stops improving: after `patience` evaluations in a row without
+    an improvement of more than `min_delta` (Keras' and Hugging Face's EarlyStopping)."""
+
+    model_config = _strict
+
+    metric: Name = Field(
+        default="eval_loss",
+        description="An evaluation metric of the run's task and method: eval_loss, "
+        "eval_perplexity; eval_accuracy, eval_f1 for classification; for dpo eval_loss and "
+        "eval_rewards/accuracies, eval_rewards/margins, ...",
+    )
+    mode: Mode | None = Field(
+        default=None,
+        description="min or max: which way the metric improves. Unset: min for losses and "
+        "perplexity, max for anything else.",
+    )
+    patience: int = Field(default=3, ge=1, le=10_000)
+    min_delta: float = Field(default=0.0, ge=0, le=1e9)
+
+    @property
+    def resolved_mode(self) -> Mode:
+        return self.mode or default_mode(self.metric)
+
+
+class ExportSpec(BaseModel):
+    """Which weights the final export (checkpointing.export_hf) holds."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, serialize_by_alias=True)
+
+    from_: Literal["best", "last"] = Field(
+        default="last",
+        alias="from",
+        description="last: the weights at the end of training; best: those of the best "
+        "checkpoint by checkpointing.best_metric (or early_stopping.metric, or eval_loss).",
+    )
+
+
+# Events a webhook may ask for. Terminal statuses, each checkpoint saved (DeepSpeed or an
+# export), and an early stop (before the run's `run.succeeded`).
+WEBHOOK_EVENTS = (
+    "run.succeeded",
+    "run.failed",
+    "run.cancelled",
+    "run.checkpoint",
+    "run.early_stopped",
+)
+WebhookEvent = Literal[
+    "run.succeeded", "run.failed", "run.cancelled", "run.checkpoint", "run.early_stopped"
+]
+TERMINAL_WEBHOOK_EVENTS: list[WebhookEvent] = ["run.succeeded", "run.failed", "run.cancelled"]
+MAX_URL_CHARS = 2048
+
+
+def _webhook_url(value: str) -> str:
+    _name(value)
+    if not re.match(r"^https?://[^/?#\s]+", value, flags=re.IGNORECASE):
+        raise ValueError(
+            f"{_shown(value)} is not an http:// or https:// URL: webhooks are delivered by "
+            "HTTP POST"
+        )
+    return value
+
+
+WebhookUrl = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_URL_CHARS), AfterValidator(_webhook_url)
+]
+
+
+class WebhookSpec(BaseModel):
+    """Where to POST a signed notification (header Tuneyard-Signature), and for which
+    events."""
+
+    model_config = _strict
+
+    url: WebhookUrl
+    events: list[WebhookEvent] = Field(
+        default_factory=lambda: list(TERMINAL_WEBHOOK_EVENTS),
+        min_length=1,
+        max_length=len(WEBHOOK_EVENTS),
+        description="Any of " + ", ".join(WEBHOOK_EVENTS) + "; default: the terminal ones.",
+    )
+
+
+class MlflowTracking(BaseModel):
+    """Log the run to MLflow, on the tracking server the service is configured with
+    (TUNEYARD_MLFLOW_TRACKING_URI)."""
+
+    model_config = _strict
+
+    experiment: Name = "tuneyard"
+    run_name: Name | None = Field(default=None, description="Unset: the tuneyard run's id.")
+
+
+class WandbTracking(BaseModel):
+    """Log the run to Weights & Biases; mode 'offline' writes to local files only, for
+    clusters without internet (`wandb sync` uploads them later)."""
+
+    model_config = _strict
+
+    project: Name = "tuneyard"
+    entity: Name | None = None
+    run_name: Name | None = Field(default=None, description="Unset: the tuneyard run's id.")
+    mode: Literal["online", "offline"] = "online"
+
+
+class TrackingSpec(BaseModel):
+    model_config = _strict
+
+    mlflow: MlflowTracking | None = None
+    wandb: WandbTracking | None = None
 
 
 class FaultToleranceSpec(BaseModel):
@@ -422,10 +556,41 @@ class RunDefinition(BaseModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpointing: CheckpointingSpec = Field(default_factory=CheckpointingSpec)
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    early_stopping: EarlyStoppingSpec | None = Field(
+        default=None,
+        description="Stop after `patience` evaluations without improvement; the run ends "
+        "succeeded, with the reason in its events and result. Needs dataset.eval_split or "
+        "eval_source and training.eval_every_n_steps.",
+    )
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    webhooks: list[WebhookSpec] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Signed HTTP notifications of this run's events.",
+    )
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment trackers to log the run to (needs tuneyard's mlflow or wandb "
+        "extra installed on the service and the cluster).",
+    )
 
     @property
     def data_parallel_size(self) -> int:
         return self.resources.num_workers // self.deepspeed.tensor_parallel_size
+
+    @property
+    def best_criterion(self) -> tuple[str, Mode] | None:
+        """The metric and direction that rank this run's checkpoints, or None: explicit
+        (checkpointing.best_metric), else early stopping's, else eval_loss when the export
+        is to come from the best checkpoint."""
+        ck = self.checkpointing
+        if ck.best_metric is not None:
+            return ck.best_metric, ck.best_mode or default_mode(ck.best_metric)
+        if self.early_stopping is not None:
+            return self.early_stopping.metric, self.early_stopping.resolved_mode
+        if self.export.from_ == "best":
+            return "eval_loss", ck.best_mode or "min"
+        return None
 
     @classmethod
     def of_resolved(cls, spec: dict[str, Any]) -> RunDefinition:

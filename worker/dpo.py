@@ -21,16 +21,9 @@ from typing import Any
 
 from worker.data import IGNORE_INDEX
 
-# What a step reports per pair, as TRL names it; every value is a mean over the step's pairs
-# (metrics.py all-reduces their sums, pair_sums, in this order).
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+# What a step reports per pair is contract.eval_metrics.PAIR_METRICS, as TRL names them:
+# every value is a mean over the step's pairs (metrics.py all-reduces their sums, pair_sums,
+# in that order).
 
 
 def sequence_logps(logits: Any, labels: Any) -> Any:

@@ -84,7 +84,8 @@ def _evaluate_dpo(
     import torch
     import torch.distributed as dist
 
-    from worker.dpo import PAIR_METRICS, dpo_forward
+    from contract.eval_metrics import PAIR_METRICS
+    from worker.dpo import dpo_forward
 
     engine.eval()
     # loss sum, pairs, then the pair metrics' sums; on the device, copied to the host once.

@@ -172,12 +172,12 @@ class MetricSinks:
 
 
 def _pair_means(sums: Any) -> dict[str, float]:
-    """DPO's pair metrics (worker.dpo.PAIR_METRICS, then the pair count), the means over
+    """DPO's pair metrics (contract.eval_metrics.PAIR_METRICS, then the pair count), the means over
     the step's pairs on every rank (tensor-parallel repeats cancel out of the ratio);
     nothing for other methods."""
     if len(sums) == 0:
         return {}
-    from worker.dpo import PAIR_METRICS
+    from contract.eval_metrics import PAIR_METRICS
 
     pairs = max(float(sums[-1]), 1.0)
     return {name: float(value) / pairs for name, value in zip(PAIR_METRICS, sums[:-1], strict=True)}

@@ -271,7 +271,7 @@ class StepResult:
     loss: Any  # this rank's part of the step's mean loss (a tensor: no sync here)
     tokens: int  # input tokens this rank trained on
     samples: int
-    # Method dpo: this rank's sums of worker.dpo.PAIR_METRICS over its pairs (a float64
+    # Method dpo: this rank's sums of contract.eval_metrics.PAIR_METRICS over its pairs (a float64
     # tensor), and how many pairs; metrics.py averages them over the step's pairs.
     pair_sums: Any = None
     pairs: int = 0
@@ -303,7 +303,7 @@ def train_step(
     )
     result = StepResult(loss=torch.zeros((), device=device), tokens=0, samples=0)
     if method.type == "dpo":
-        from worker.dpo import PAIR_METRICS
+        from contract.eval_metrics import PAIR_METRICS
 
         result.pair_sums = torch.zeros(len(PAIR_METRICS), dtype=torch.float64, device=device)
     for batch, targets in zip(micro_batches, counts, strict=True):

@@ -18,7 +18,8 @@ import torch
 
 from contract.run_request import RunSpec
 from worker.data import IGNORE_INDEX
-from worker.dpo import PAIR_METRICS, pair_sums, sigmoid_loss, valid_pairs
+from contract.eval_metrics import PAIR_METRICS
+from worker.dpo import pair_sums, sigmoid_loss, valid_pairs
 from worker.preference import PreferenceCollator, tokenize_preference
 
 BETA = 0.1
