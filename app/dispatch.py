@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,19 +69,31 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
         attempt=run.attempt,
         storage_path=settings.storage.root,
     )
+    return job_runtime_env(
+        spec,
+        settings=settings,
+        env={TOKEN_ENV: token, CALLBACK_URL_ENV: settings.resolved_callback_url},
+    )
+
+
+def job_runtime_env(
+    spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
+) -> dict[str, Any]:
+    """The runtime_env of every job tuneyard submits, a run's attempt or a validation's
+    profile (app/services/profiles.py): the same packages, variables and spec, so that a
+    profile measures what the run will train. `env`: the job's own variables, set last."""
     # The operator's variables first (NCCL_*, HF_TOKEN, ...; Settings refuses tuneyard's own
     # names), so what tuneyard sets below always wins. Never logged: they may be secrets.
     env_vars = settings.resolved_job_env()
     env_vars.update(
         {
             SPEC_ENV: spec.model_dump_json(),
-            TOKEN_ENV: token,
-            CALLBACK_URL_ENV: settings.resolved_callback_url,
             "PYTHONUNBUFFERED": "1",
             # Ray Train's wait for the workers to be placed; worker/trainer.py makes its
             # expiry end the run (Ray's default retries it forever).
             PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
             CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",
+            **env,
         }
     )
     if not spec.resources.use_gpu:

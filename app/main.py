@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from app.api import dashboard, files, fine_tuning, health, internal, prometheus, runs
+from app.api import dashboard, files, fine_tuning, health, internal, prometheus, runs, webhooks
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
@@ -23,6 +23,8 @@ from app.migrate import prepare_database
 from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
 from app.services.placement import ClusterView
+from app.services.webhook_delivery import WebhookDeliverer
+from app.services.webhooks import configure_sessions
 from app.settings import Settings
 
 log = logging.getLogger("tuneyard")
@@ -47,6 +49,7 @@ def create_app(
         # Fail at start-up, saying why, not at the first upload or run.
         settings.storage.check_reachable()
         head = None
+        deliverer: WebhookDeliverer | None = None
         if start_background:
             if settings.ray_address:
                 # A remote cluster's token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN(_PATH),
@@ -75,6 +78,11 @@ def create_app(
                 metrics=state.metrics,
             )
             dispatcher.start()
+            if settings.webhook_secret is not None:  # without one, no run has webhooks
+                deliverer = WebhookDeliverer(
+                    settings=settings, session_factory=state.session_factory
+                )
+                deliverer.start()
         # What start-up made (about 130k objects: FastAPI, SQLAlchemy, pydantic) lives as long
         # as the process. Left to the collector, every full collection walks all of it, a
         # pause of tens of milliseconds (150 ms on a busy 2-core machine) that lands on
@@ -86,6 +94,8 @@ def create_app(
         try:
             yield
         finally:
+            if deliverer is not None:
+                deliverer.stop()
             if state.dispatcher is not None:
                 state.dispatcher.stop()
             if head is not None and owns_local_head:
@@ -112,10 +122,12 @@ def create_app(
         read_session_factory=read_session_factory,
         metrics=ServiceMetrics(read_session_factory),
     )
+    configure_sessions(state.session_factory, settings)
     install_error_handlers(app)
     app.add_middleware(RunIdMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer, errors included
     app.include_router(runs.router)
+    app.include_router(webhooks.router)
     app.include_router(files.router)
     app.include_router(fine_tuning.router)
     app.include_router(internal.router)

@@ -183,3 +183,29 @@ class File(Base):
     fields: Mapped[list[str]] = mapped_column(JSON)
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One notification of a run's event to one subscriber, queued in the transaction of the
+    change that caused it and sent by app/services/webhook_delivery.py. Its id is the
+    `Idempotency-Key` the receiver sees on every attempt."""
+
+    __tablename__ = "webhook_deliveries"
+    # The deliverer's query: pending rows whose time has come.
+    __table_args__ = (Index("ix_webhook_deliveries_status_due", "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    event: Mapped[str] = mapped_column(String(32))  # "run.succeeded", "run.checkpoint", ...
+    url: Mapped[str] = mapped_column(Text)
+    # The body, as sent on every attempt (only the signature's timestamp changes).
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # When a pending delivery is next due; while an attempt is in flight, when its claim
+    # lapses (a deliverer that died mid-send leaves it to another).
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

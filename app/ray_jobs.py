@@ -121,6 +121,17 @@ class RayJobs:
             self._drop_client()
             raise RayUnavailable(f"cannot stop job {submission_id}: {exc}") from exc
 
+    def delete(self, submission_id: str) -> None:
+        """Forget a finished job's record (Ray keeps it until the head restarts otherwise;
+        its log files stay on disk). Ray refuses to delete a job that is still running."""
+        try:
+            self._get_client().delete_job(submission_id)
+        except Exception as exc:
+            if "does not exist" in str(exc):
+                return
+            self._drop_client()
+            raise RayUnavailable(f"cannot delete job {submission_id}: {exc}") from exc
+
     def logs(self, submission_id: str) -> str:
         try:
             return str(self._get_client().get_job_logs(submission_id))

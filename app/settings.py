@@ -11,10 +11,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
+from contract.run_request import TERMINAL_WEBHOOK_EVENTS, WEBHOOK_EVENTS, WebhookSpec
 from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
 
 # The demo writes its tiny model and dataset here, so runs may read from it by default.
@@ -92,6 +93,33 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    # Webhooks (app/services/webhooks.py). Every delivery is signed with this secret
+    # (header Tuneyard-Signature); without it no run may ask for webhooks.
+    webhook_secret: SecretStr | None = None
+    # Service-wide subscribers, comma-separated http(s) URLs, told of every run's
+    # `webhook_events` (comma-separated; default: the terminal ones). They need the secret.
+    webhook_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_events: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(TERMINAL_WEBHOOK_EVENTS)
+    )
+    # A delivery is retried with exponential backoff and jitter from this base (5 s, 10 s,
+    # 20 s ...: about 10 minutes over 8 attempts), then given up as failed.
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    webhook_retry_base_s: float = Field(default=5.0, gt=0)
+    # Short, so that a slow receiver holds a delivery thread for seconds, not minutes.
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    # How often the deliverer looks for deliveries that are due.
+    webhook_poll_interval_s: float = Field(default=1.0, gt=0)
+
+    # `POST /v1/runs/validate` with `profile: true` (app/services/profiles.py). The price of
+    # one GPU-hour: unset, a profile reports no cost; a CPU-only run costs 0 at any price.
+    gpu_hour_price: float | None = Field(default=None, ge=0)
+    # The currency `gpu_hour_price` is in, reported beside the cost (an ISO 4217 code).
+    gpu_hour_currency: str = Field(default="USD", min_length=1, max_length=8)
+    # A profile's Ray job is stopped past this: loading a large model and a first step that
+    # JIT-builds DeepSpeed's ops can take minutes, but the request must end.
+    profile_timeout_s: float = Field(default=900.0, gt=0)
+
     @field_validator("storage_path", mode="before")
     @classmethod
     def _storage_opens(cls, value: object) -> object:
@@ -145,6 +173,51 @@ class Settings(BaseSettings):
                     f"TUNEYARD_JOB_ENV_PASSTHROUGH may not name {pattern!r}: {problem}"
                 )
         return value
+
+    @field_validator("webhook_urls", "webhook_events", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return _split_names(value)
+        return value
+
+    @field_validator("webhook_urls")
+    @classmethod
+    def _webhook_urls_are_http(cls, value: list[str]) -> list[str]:
+        for url in value:
+            try:
+                WebhookSpec(url=url)
+            except ValidationError:
+                # Only the rule: a URL may carry a token in its query.
+                raise ValueError(
+                    "TUNEYARD_WEBHOOK_URLS must be comma-separated http:// or https:// URLs"
+                ) from None
+        return value
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _webhook_events_are_known(cls, value: list[str]) -> list[str]:
+        unknown = [event for event in value if event not in WEBHOOK_EVENTS]
+        if unknown or not value:
+            raise ValueError(
+                f"TUNEYARD_WEBHOOK_EVENTS: {', '.join(unknown) or 'none given'}; "
+                f"choose from {', '.join(WEBHOOK_EVENTS)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _webhooks_are_signed(self) -> Settings:
+        if self.webhook_urls and self.webhook_secret is None:
+            raise ValueError(
+                "TUNEYARD_WEBHOOK_URLS needs TUNEYARD_WEBHOOK_SECRET: every delivery is signed "
+                "with it, so that receivers can tell tuneyard's from anyone's"
+            )
+        if self.webhook_secret is not None and len(self.webhook_secret.get_secret_value()) < 16:
+            raise ValueError(
+                "TUNEYARD_WEBHOOK_SECRET must be at least 16 characters (e.g. the output of "
+                "`python -c 'import secrets; print(secrets.token_hex(32))'`)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:

@@ -14,11 +14,22 @@ CLUSTER_AUTOSCALES_ENV = "TUNEYARD_CLUSTER_AUTOSCALES"
 # Ray Train's own name for how long a worker group may wait to be placed; the service sets
 # it to TUNEYARD_PLACEMENT_TIMEOUT_S (Ray's default is 60 s, retried without end).
 PLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# A profile's job only (`POST /v1/runs/validate` with `profile: true`, run by
+# `python -m worker.profile`): JSON {"steps", "warmup_steps", "result"}, where `result` is the
+# storage location the profile's measurements go to, for the service to read back.
+PROFILE_ENV = "TUNEYARD_PROFILE"
 # What the dispatcher sets in every job: no configured job variable may replace these, and
 # nothing named TUNEYARD_* at all.
 RESERVED_PREFIX = "TUNEYARD_"
 RESERVED_NAMES = frozenset(
-    {SPEC_ENV, TOKEN_ENV, CALLBACK_URL_ENV, CLUSTER_AUTOSCALES_ENV, PLACEMENT_TIMEOUT_ENV}
+    {
+        SPEC_ENV,
+        TOKEN_ENV,
+        CALLBACK_URL_ENV,
+        CLUSTER_AUTOSCALES_ENV,
+        PLACEMENT_TIMEOUT_ENV,
+        PROFILE_ENV,
+    }
 )
 
 

@@ -76,6 +76,11 @@ class Storage:
         inside = location == self.root or location.startswith(self.root + "/")
         return inside and "/../" not in f"{location}/"
 
+    def fs_path(self, location: str) -> str:
+        """The filesystem path of a location inside this storage (Ray's `Checkpoint.path`,
+        with `fs` as its filesystem)."""
+        return self._path(location)
+
     def _path(self, location: str) -> str:
         """The filesystem path of a location inside this storage."""
         if not self.contains(location):

@@ -22,15 +22,26 @@ log = logging.getLogger("tuneyard.worker")
 MANIFEST = "tuneyard_checkpoint.json"
 
 
+def checkpoint_dir_name(step: int) -> str:
+    return f"checkpoint_step_{step:08d}"
+
+
 def save_and_report_checkpoint(
-    engine: Any, spec: RunSpec, *, step: int, epoch: float, metrics: dict[str, float]
+    engine: Any,
+    spec: RunSpec,
+    *,
+    step: int,
+    epoch: float,
+    metrics: dict[str, float],
+    watch: dict[str, Any] | None = None,
 ) -> None:
-    """Every rank saves its shards and calls `ray.train.report`; Ray merges the folders."""
+    """Every rank saves its shards and calls `ray.train.report`; Ray merges the folders.
+    `watch`: worker.eval_watch's state, restored with the checkpoint."""
     import ray.train
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory(prefix="tuneyard-ckpt-") as tmp:
-        engine.save_checkpoint(tmp, tag=f"step_{step}", client_state={"step": step})
+        engine.save_checkpoint(tmp, tag=f"step_{step}", client_state={"step": step, "watch": watch})
         if not dist.is_initialized() or dist.get_rank() == 0:
             manifest = {
                 "step": step,
@@ -43,17 +54,23 @@ def save_and_report_checkpoint(
         ray.train.report(
             {**metrics, "step": step, "epoch": epoch},
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
-            checkpoint_dir_name=f"checkpoint_step_{step:08d}",
+            checkpoint_dir_name=checkpoint_dir_name(step),
         )
 
 
-def restore_checkpoint(engine: Any, spec: RunSpec) -> int:
-    """Load Ray Train's latest checkpoint, if any; the optimizer step to continue from."""
+@dataclass(slots=True)
+class Restored:
+    step: int = 0  # the optimizer step to continue from
+    watch: dict[str, Any] | None = None  # worker.eval_watch's state at that step
+
+
+def restore_checkpoint(engine: Any, spec: RunSpec) -> Restored:
+    """Load Ray Train's latest checkpoint, if any."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0
+        return Restored()
     with checkpoint.as_directory() as folder:
         manifest = json.loads(Path(folder, MANIFEST).read_text())
         for key in ("zero_stage", "tensor_parallel_size"):
@@ -66,7 +83,23 @@ def restore_checkpoint(engine: Any, spec: RunSpec) -> int:
         _, client_state = engine.load_checkpoint(folder)
     step = int(client_state["step"])
     log.info("resumed from step %d", step)
-    return step
+    return Restored(step=step, watch=client_state.get("watch"))
+
+
+def load_weights_of_step(engine: Any, spec: RunSpec, *, step: int) -> None:
+    """Put the weights of this run's checkpoint at `step` back into the engine (every rank
+    loads its own shards), for an export of the best checkpoint rather than the last.
+
+    The whole checkpoint, optimizer states included, as a resume loads it: under ZeRO-3
+    (and with ZeRO's bf16 master weights) the weights are restored from the optimizer's
+    partitions, which DeepSpeed's load_module_only would skip."""
+    from ray.train import Checkpoint
+
+    storage = Storage(spec.storage_path)
+    location = storage.join(spec.run_id, checkpoint_dir_name(step))
+    checkpoint = Checkpoint(path=storage.fs_path(location), filesystem=storage.fs)
+    with checkpoint.as_directory() as folder:
+        engine.load_checkpoint(folder, tag=f"step_{step}")
 
 
 EXPORT_DIRNAME = "export"

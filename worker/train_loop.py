@@ -11,7 +11,13 @@ from typing import Any
 
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
-from worker.checkpoints import export_hf_model, restore_checkpoint, save_and_report_checkpoint
+from worker.checkpoints import (
+    export_hf_model,
+    load_weights_of_step,
+    restore_checkpoint,
+    save_and_report_checkpoint,
+)
+from worker.eval_watch import EvalWatch
 from worker.jit_lock import clear_stale_jit_locks
 from worker.logs import configure_worker_logging
 from worker.metrics import MetricSinks
@@ -178,12 +184,17 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     )
     for note in data.notes:
         sinks.event("data_fitted", note)
-    step = restore_checkpoint(engine, spec)
+    restored = restore_checkpoint(engine, spec)
+    step = restored.step
     if step:
         sinks.event(
             "resumed", f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
         )
     log.info("training steps %d..%d", step, plan.total_steps)
+    # Which checkpoint is best, and whether to stop early (the same on every rank).
+    watch = EvalWatch(spec)
+    watch.load_state_dict(restored.watch)
+    saved_at = step if step else None
 
     def run_eval(at: int) -> None:
         if data.eval is not None:
@@ -197,11 +208,25 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
                 reference=training.reference,
             )
             sinks.log_eval(metrics, step=at)
+            watch.observe(metrics, step=at)
+
+    def checkpoint(at: int) -> None:
+        nonlocal saved_at
+        sinks.flush()
+        save_and_report_checkpoint(
+            engine,
+            spec,
+            step=at,
+            epoch=plan.epoch_at(at),
+            metrics=sinks.latest,
+            watch=watch.state_dict(),
+        )
+        saved_at = at
 
     batches = batches_from(plan, data.train, step)
     tr = spec.training
     tokens_since_log = 0
-    while step < plan.total_steps:
+    while step < plan.total_steps and watch.state.stopped is None:
         logged = (step + 1) % tr.log_every_n_steps == 0 or step + 1 == plan.total_steps
         if logged:
             # A GPU runs behind the host: time a logged step from an idle device to an
@@ -232,18 +257,29 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             tokens_since_log = 0
         if tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps:
             run_eval(step)
+            if watch.active:
+                # A ranked evaluation keeps its weights: the best checkpoint is one of these,
+                # and a stop decided here resumes as a stop.
+                checkpoint(step)
         every = spec.checkpointing.every_n_steps
-        if every and step % every == 0 and step < plan.total_steps:
-            sinks.flush()
-            save_and_report_checkpoint(
-                engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
-            )
+        if every and step % every == 0 and step < plan.total_steps and saved_at != step:
+            checkpoint(step)
 
-    run_eval(step)
-    sinks.flush()
-    save_and_report_checkpoint(
-        engine, spec, step=step, epoch=plan.epoch_at(step), metrics=sinks.latest
-    )
+    if watch.state.stopped is not None:
+        if sinks.client is not None:
+            # Retried, unlike informational events: the run's result is made of it.
+            sinks.client.event("early_stopped", watch.state.stopped)
+    elif saved_at != step:
+        run_eval(step)
+    if saved_at != step:
+        checkpoint(step)
+    export_step = step
+    best = watch.state.best_step
+    if spec.checkpointing.export_hf and spec.export.from_ == "best" and best not in (None, step):
+        assert best is not None
+        load_weights_of_step(engine, spec, step=best)
+        export_step = best
+        sinks.event("export_from_best", f"exporting the best checkpoint, step {best}")
     if spec.checkpointing.export_hf:
         probe = next(iter(data.train))
         exports = export_hf_model(
@@ -258,8 +294,8 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             # The adapter first: a full model posted after it is the run's model_path.
             for export in exports:
                 sinks.client.checkpoint(
-                    step=step,
-                    epoch=plan.epoch_at(step),
+                    step=export_step,
+                    epoch=plan.epoch_at(export_step),
                     path=export.path,
                     kind=export.kind,
                     metrics={"export_max_logit_diff": export.max_diff},

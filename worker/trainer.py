@@ -38,13 +38,29 @@ def build_trainer(spec: RunSpec) -> Any:
                 # service's placement timeout) end the run; Ray's default retries forever.
                 controller_failure_limit=0,
             ),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpointing.keep_last),
+            checkpoint_config=checkpoint_config(spec, CheckpointConfig),
             # Ray types `callbacks` with its v1 Callback class; V2 takes UserCallback.
             callbacks=[
                 CheckpointRecorder(spec),  # type: ignore[list-item]
                 TrainingErrorStop(),  # type: ignore[list-item]
             ],
         ),
+    )
+
+
+def checkpoint_config(spec: RunSpec, config_class: Any) -> Any:
+    """Retention: the newest `keep_last` checkpoints; with a best metric, the `keep_last`
+    best by it (each such checkpoint is reported with that metric, worker/train_loop.py).
+    Ray always keeps the latest too, for resume. app/services/run_data.py mirrors this to
+    mark what was pruned."""
+    criterion = spec.best_criterion
+    if criterion is None:
+        return config_class(num_to_keep=spec.checkpointing.keep_last)
+    metric, mode = criterion
+    return config_class(
+        num_to_keep=spec.checkpointing.keep_last,
+        checkpoint_score_attribute=metric,
+        checkpoint_score_order=mode,
     )
 
 

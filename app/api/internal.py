@@ -11,8 +11,9 @@ from app.api.deps import MetricsDep, SessionDep, bearer_token, run_in_read_sessi
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
-from app.services import callbacks
+from app.services import callbacks, run_result
 from app.services.lifecycle import record_event
+from app.services.webhooks import enqueue_webhooks
 
 
 async def verified_token(run_id: str, request: Request) -> str:
@@ -112,6 +113,11 @@ def post_event(
         session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
     event = record_event(session, run, type=body.type, message=body.message)
+    if body.type == "early_stopped":
+        run_result.record_early_stop(run, body.message)
+    # Once per early stop: a worker repeating its post is counted on the same event row.
+    if body.type == "early_stopped" and event.repeats == 1:
+        enqueue_webhooks(session, run, "run.early_stopped", {"message": event.message})
     session.flush()
     metrics.callbacks.labels("event").inc()
     return {"id": event.id}

@@ -244,8 +244,11 @@ def list_checkpoints(
 ) -> CheckpointList:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
     listed = run_data.list_checkpoints(session, run=run)
-    pruned = run_data.pruned_checkpoints(listed, keep_last=run.definition.checkpointing.keep_last)
-    return CheckpointList(data=[CheckpointView.of(c, pruned=c.id in pruned) for c in listed])
+    pruned = run_data.pruned_checkpoints(listed, definition=run.definition)
+    best = (run.result or {}).get("best_checkpoint_id")
+    return CheckpointList(
+        data=[CheckpointView.of(c, pruned=c.id in pruned, best=c.id == best) for c in listed]
+    )
 
 
 @router.get(

@@ -130,6 +130,8 @@ class RunFields(Protocol):
     def model_path(self) -> str | None: ...
     @property
     def latest_checkpoint(self) -> str | None: ...
+    @property
+    def result(self) -> dict[str, Any] | None: ...
 
 
 class ProgressView(BaseModel):
@@ -148,6 +150,28 @@ class ErrorView(BaseModel):
 class OutputView(BaseModel):
     model_path: str | None
     latest_checkpoint: str | None
+
+
+class ResultView(BaseModel):
+    """Why the run stopped and its best checkpoint, as far as it has got."""
+
+    stop_reason: Literal["completed", "early_stopping"] | None = Field(
+        default=None,
+        description="completed: it trained every step; early_stopping: evaluation stopped "
+        "improving (early_stopping in the request). Null while it runs, or if it failed.",
+    )
+    stop_message: str | None = None
+    best_metric: str | None = Field(
+        default=None, description="The metric that ranks its checkpoints, if any."
+    )
+    best_mode: Literal["min", "max"] | None = None
+    best_step: int | None = Field(default=None, description="The step of the best checkpoint.")
+    best_value: float | None = Field(default=None, description="Its value of best_metric.")
+
+    @classmethod
+    def of(cls, stored: dict[str, Any] | None) -> ResultView:
+        stored = stored or {}
+        return cls(**{k: v for k, v in stored.items() if k in cls.model_fields})
 
 
 class RunView(BaseModel):
@@ -170,6 +194,7 @@ class RunView(BaseModel):
     )
     error: ErrorView | None
     output: OutputView
+    result: ResultView = Field(default_factory=ResultView)
     metadata: dict[str, str]
     # Only while queued: 1 means it is dispatched next.
     queue_position: int | None = None
@@ -206,6 +231,7 @@ class RunView(BaseModel):
             if run.error_code
             else None,
             output=OutputView(model_path=run.model_path, latest_checkpoint=run.latest_checkpoint),
+            result=ResultView.of(run.result),
             metadata=run.run_metadata,
             queue_position=queue_position,
         )
@@ -272,11 +298,17 @@ class CheckpointView(BaseModel):
     pruned: bool = Field(
         default=False,
         description="Deleted from storage by `checkpointing.keep_last`: Ray Train keeps the "
-        "newest `keep_last` DeepSpeed checkpoints of a run, across its attempts.",
+        "newest `keep_last` DeepSpeed checkpoints of a run, across its attempts (with a best "
+        "metric, the `keep_last` best by it), and always the latest.",
+    )
+    best: bool = Field(
+        default=False,
+        description="The run's best checkpoint by its best metric (checkpointing.best_metric, "
+        "early_stopping.metric); kept whatever keep_last says.",
     )
 
     @classmethod
-    def of(cls, c: Checkpoint, *, pruned: bool = False) -> CheckpointView:
+    def of(cls, c: Checkpoint, *, pruned: bool = False, best: bool = False) -> CheckpointView:
         metrics, nonfinite = split_metric_map(c.metrics)
         return cls(
             step=c.step,
@@ -288,6 +320,7 @@ class CheckpointView(BaseModel):
             attempt=c.attempt,
             created_at=as_utc(c.created_at),
             pruned=pruned,
+            best=best,
         )
 
 

@@ -14,10 +14,11 @@ from sqlalchemy.orm import Session
 from app.errors import Conflict, Unauthorized
 from app.models import Checkpoint, Metric, Run
 from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
-from app.schemas.run_view import nonfinite_kind, stored_metric_value
+from app.schemas.run_view import CheckpointView, nonfinite_kind, stored_metric_value
 from app.security import hash_secret, secret_matches
-from app.services import lifecycle
+from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
+from app.services.webhooks import enqueue_webhooks
 from app.status import RunStatus
 
 _BAD_TOKEN = "invalid or expired run token"
@@ -142,4 +143,7 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
         run.latest_checkpoint = post.path
         record_event(session, run, type="checkpoint", message=f"checkpoint at step {post.step}")
     session.flush()
+    run_result.record_checkpoint(run, checkpoint)  # after the flush: it names the row's id
+    view = CheckpointView.of(checkpoint).model_dump(mode="json")
+    enqueue_webhooks(session, run, "run.checkpoint", {"checkpoint": view})
     return checkpoint

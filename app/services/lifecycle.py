@@ -20,6 +20,8 @@ from sqlalchemy.orm import Session
 from app.errors import Conflict, InvalidTransition
 from app.logs import redact
 from app.models import Event, Run, utcnow
+from app.services import run_result
+from app.services.webhooks import enqueue_webhooks
 from app.status import RunStatus
 
 log = logging.getLogger("tuneyard")
@@ -105,6 +107,8 @@ def _move(
         run.callback_token_hash = None
     if new == RunStatus.RUNNING and run.started_at is None:
         run.started_at = now
+    if new == RunStatus.SUCCEEDED:
+        run_result.record_success(run)
     if new.is_terminal():
         run.finished_at = now
         run.callback_token_hash = None  # a finished run's worker has nothing more to say
@@ -114,6 +118,8 @@ def _move(
         run.error_message = redact(failure.message)
     text = message or (failure.message if failure else "")
     record_event(session, run, type="status", status=new, message=text)
+    if new.is_terminal():  # in this transaction: a change rolled back notifies nobody
+        enqueue_webhooks(session, run, f"run.{new.value}")
     log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
 
 

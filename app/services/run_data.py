@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from sqlalchemy import and_, or_, select, tuple_
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session
 from app.errors import ValidationFailed, field_problem
 from app.models import Checkpoint, Event, Metric, Run
 from contract.bounds import INT32_MAX
+from contract.run_request import RunDefinition
 
 MAX_METRICS_PAGE = 10_000
 
@@ -76,12 +78,33 @@ def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:
     return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
 
 
-def pruned_checkpoints(checkpoints: list[Checkpoint], *, keep_last: int) -> set[int]:
-    """The ids of the DeepSpeed checkpoints Ray Train has deleted from storage: it keeps the
-    newest `keep_last` a run reported, in the order reported, across attempts (a resumed
-    attempt restores Ray Train's checkpoint manager with the checkpoints)."""
+def pruned_checkpoints(checkpoints: list[Checkpoint], *, definition: RunDefinition) -> set[int]:
+    """The ids of the DeepSpeed checkpoints Ray Train has deleted from storage, by its rule
+    (worker/trainer.py `checkpoint_config`; a resumed attempt restores Ray Train's checkpoint
+    manager with the checkpoints, so the order runs across attempts): it keeps the
+    `keep_last` ranked highest and, always, the latest reported. Ranked by the order
+    reported; with a best metric, by the metric (a non-finite value lowest, ties to the
+    later), as ray/train/_internal/checkpoint_manager.py's `_get_checkpoint_score` does."""
+    keep_last = definition.checkpointing.keep_last
     reported = sorted((c for c in checkpoints if c.kind == "deepspeed"), key=lambda c: c.id)
-    return {c.id for c in reported[: max(len(reported) - keep_last, 0)]}
+    if not reported:
+        return set()
+    ranked = reported
+    if (criterion := definition.best_criterion) is not None:
+        metric, mode = criterion
+        sign = 1.0 if mode == "max" else -1.0
+
+        def score(c: Checkpoint) -> tuple[bool, float]:
+            value = c.metrics.get(metric)
+            if not isinstance(value, int | float):
+                # Stored "inf"/"-inf" rank as such; NaN (or none) below everything.
+                value = {"inf": math.inf, "-inf": -math.inf}.get(str(value), math.nan)
+            return (value == value, sign * value if value == value else 0.0)
+
+        # sorted() is stable: ties keep the order reported, the later ranked higher.
+        ranked = sorted(reported, key=score)
+    latest = reported[-1].id
+    return {c.id for c in ranked[: max(len(ranked) - keep_last, 0)] if c.id != latest}
 
 
 def list_events(session: Session, *, run: Run, after: int | None, limit: int) -> list[Event]:

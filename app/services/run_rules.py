@@ -21,12 +21,14 @@ from sqlalchemy.orm import Session
 from app.errors import field_problem
 from app.models import RUN_ID, Checkpoint, File, Run
 from app.services.adapter_sizes import adapter_parameters, linear_weights
+from app.services.evaluation_rules import evaluation_problems
 from app.services.file_checks import check_file, checks_for
 from app.services.model_files import (
     chat_template_of,
     safetensors_headers,
     trainable_model_types,
 )
+from app.services.webhook_rules import webhook_problems
 from app.settings import SourceRoots
 from contract.datasets import (
     FILE_FORMATS,
@@ -78,6 +80,7 @@ def check_run_request(
     else:
         _check_model(request, checked, allowed_roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
+    checked.problems.extend(webhook_problems(session, request))
     if not checked.problems:
         try:
             checked.plan = _step_plan(request, checked.dataset_records)
@@ -133,6 +136,7 @@ def cross_field_problems(req: RunRequest) -> list[Problem]:
         if value is not None and local and (problem := local_split_problem(name, value)):
             add(f"dataset.{name}", problem)
     problems.extend(method_problems(req))
+    problems.extend(evaluation_problems(req))
     if req.task == "sequence_classification":
         if data.label_field is None:
             add("dataset.label_field", "task sequence_classification needs dataset.label_field")

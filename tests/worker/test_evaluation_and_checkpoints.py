@@ -249,7 +249,7 @@ class TestRestoreCheckpoint:
     ) -> None:
         use_checkpoint(monkeypatch, None)
 
-        assert restore_checkpoint(EngineThatMustNotLoad(), run_spec(tmp_path)) == 0
+        assert restore_checkpoint(EngineThatMustNotLoad(), run_spec(tmp_path)).step == 0
 
     def test_compatible_checkpoint_is_loaded_and_gives_its_step(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -258,7 +258,7 @@ class TestRestoreCheckpoint:
         use_checkpoint(monkeypatch, folder)
         engine = LoadingEngine()
 
-        step = restore_checkpoint(engine, run_spec(tmp_path, zero_stage=2))
+        step = restore_checkpoint(engine, run_spec(tmp_path, zero_stage=2)).step
 
         assert step == 40
         assert len(engine.loaded_from) == 1

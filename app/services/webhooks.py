@@ -1,0 +1,176 @@
+"""Webhooks: a run's events queued for its subscribers, and how each delivery is signed.
+
+A delivery is a row added in the transaction of the change that caused it: a rolled-back
+change sends nothing, a committed one is never lost, and a restarted service still has it.
+The deliverer (app/services/webhook_delivery.py) sends the rows.
+
+Receivers check `Tuneyard-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`,
+computed with the shared secret `TUNEYARD_WEBHOOK_SECRET` over the raw body, as Stripe's
+scheme does, and drop repeats by `Idempotency-Key` (the delivery's id, the same on every
+attempt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.models import Run, WebhookDelivery, new_id, utcnow
+from app.schemas.run_view import RunView
+from app.settings import Settings
+
+SIGNATURE_HEADER = "Tuneyard-Signature"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+USER_AGENT = "tuneyard-webhooks"
+# How old a signature `verify` accepts by default: a replayed delivery is refused after it.
+DEFAULT_TOLERANCE_S = 300
+
+PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+
+# Where a session finds the service's webhook settings (see `configure_sessions`).
+_CONFIG_KEY = "tuneyard.webhooks"
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookConfig:
+    """What enqueueing needs from the service's settings."""
+
+    signed: bool  # a secret is set: runs may ask for webhooks
+    urls: tuple[str, ...] = ()  # service-wide subscribers
+    events: frozenset[str] = frozenset()  # what the service-wide subscribers get
+
+    @classmethod
+    def of(cls, settings: Settings) -> WebhookConfig:
+        return cls(
+            signed=settings.webhook_secret is not None,
+            urls=tuple(settings.webhook_urls),
+            events=frozenset(settings.webhook_events),
+        )
+
+
+_UNSIGNED = WebhookConfig(signed=False)
+
+
+def configure_sessions(factory: sessionmaker[Session], settings: Settings) -> None:
+    """Every session of `factory` carries the webhook settings: a status change deep in the
+    lifecycle (`_move`) has its session, not the service's settings, at hand."""
+    factory.configure(info={**factory.kw.get("info", {}), _CONFIG_KEY: WebhookConfig.of(settings)})
+
+
+def session_config(session: Session) -> WebhookConfig:
+    """The webhook settings of the service that made the session; a session made elsewhere
+    (a script, a test's own factory) has no secret and no service-wide subscribers."""
+    config = session.info.get(_CONFIG_KEY)
+    return config if isinstance(config, WebhookConfig) else _UNSIGNED
+
+
+def subscribers(session: Session, run: Run, event: str) -> list[str]:
+    """The URLs that asked for `event` of `run`: its own webhooks, then the service's; each
+    URL once, whichever asked."""
+    urls: list[str] = []
+    for hook in run.spec.get("webhooks") or []:
+        if event in hook.get("events", ()):
+            urls.append(hook["url"])
+    config = session_config(session)
+    if event in config.events:
+        urls.extend(config.urls)
+    return list(dict.fromkeys(urls))
+
+
+def enqueue_webhooks(
+    session: Session, run: Run, event_type: str, data: Mapping[str, Any] | None = None
+) -> list[WebhookDelivery]:
+    """One pending delivery per subscriber of `event_type`, in the caller's transaction.
+    `data` joins the run's public view in the payload's `data`."""
+    urls = subscribers(session, run, event_type)
+    if not urls:
+        return []
+    # The view reads columns a flush fills in (a new row's created_at).
+    session.flush()
+    view = RunView.of(run).model_dump(mode="json")
+    now = utcnow()
+    deliveries = []
+    for url in urls:
+        delivery_id = new_id("whd")
+        payload = {
+            "id": delivery_id,
+            "type": event_type,
+            "created_at": now.isoformat(),
+            "data": {"run": view, **(data or {})},
+        }
+        delivery = WebhookDelivery(
+            id=delivery_id,
+            run_id=run.id,
+            event=event_type,
+            url=url,
+            payload=payload,
+            status=PENDING,
+            attempts=0,
+            next_attempt_at=now,
+            created_at=now,
+        )
+        session.add(delivery)
+        deliveries.append(delivery)
+    return deliveries
+
+
+def list_deliveries(session: Session, *, run: Run) -> list[WebhookDelivery]:
+    return list(
+        session.scalars(
+            select(WebhookDelivery)
+            .where(WebhookDelivery.run_id == run.id)
+            .order_by(WebhookDelivery.created_at, WebhookDelivery.id)
+        )
+    )
+
+
+# -- signing --------------------------------------------------------------------------------
+
+
+def body_of(payload: Mapping[str, Any]) -> bytes:
+    """The bytes sent for a payload: the same on every attempt."""
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _digest(secret: str, timestamp: int, body: bytes) -> str:
+    signed = f"{timestamp}.".encode() + body
+    return hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The `Tuneyard-Signature` header's value for `body` sent at `timestamp` (unix s)."""
+    return f"t={timestamp},v1={_digest(secret, timestamp, body)}"
+
+
+def verify(
+    secret: str,
+    header: str,
+    body: bytes,
+    *,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
+    now: float | None = None,
+) -> bool:
+    """Whether `header` (a `Tuneyard-Signature` value) signs the raw `body` with `secret`, at
+    a time no further than `tolerance_s` from `now`. Compared in constant time."""
+    parts: dict[str, list[str]] = {}
+    for item in header.split(","):
+        key, sep, value = item.strip().partition("=")
+        if sep:
+            parts.setdefault(key, []).append(value)
+    try:
+        timestamp = int(parts["t"][0])
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - timestamp) > tolerance_s:
+        return False
+    expected = _digest(secret, timestamp, body)
+    # Several v1 values are allowed, as while a secret is being rotated.
+    return any(hmac.compare_digest(expected, candidate) for candidate in parts.get("v1", []))

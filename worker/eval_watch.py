@@ -1,0 +1,71 @@
+"""What a run's evaluations decide: which checkpoint is the best so far and whether to stop.
+
+Every rank keeps the same watch: evaluation metrics are all-reduced (worker/evaluation.py),
+so each rank sees the same numbers and takes the same decision — a stop that only rank 0
+took would leave its peers waiting in the next step's collective. Its state travels in the
+DeepSpeed checkpoint's client state, so a resumed attempt keeps its patience count and its
+best (a restart must neither forget an improvement nor grant fresh patience).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from contract.eval_metrics import Mode, at_least_as_good, improves
+from contract.run_request import RunSpec
+
+
+@dataclass(slots=True)
+class WatchState:
+    best_value: float | None = None  # the best checkpoint's value of the metric
+    best_step: int | None = None  # and its step
+    # Early stopping counts improvements by more than min_delta, from this value.
+    improved_value: float | None = None
+    bad_evals: int = 0  # evaluations in a row without such an improvement
+    stopped: str | None = None  # why it stopped early (kept: a resume must not go on)
+
+
+class EvalWatch:
+    def __init__(self, spec: RunSpec) -> None:
+        criterion = spec.best_criterion
+        self.metric: str | None = criterion[0] if criterion else None
+        self.mode: Mode = criterion[1] if criterion else "min"
+        self.stopping = spec.early_stopping
+        self.state = WatchState()
+
+    @property
+    def active(self) -> bool:
+        """Whether evaluations rank checkpoints (each evaluation then saves one)."""
+        return self.metric is not None
+
+    def observe(self, metrics: dict[str, float], *, step: int) -> str | None:
+        """Take an evaluation at `step`; a sentence saying why the run stops, or None."""
+        if self.metric is None:
+            return None
+        s = self.state
+        if at_least_as_good(metrics[self.metric], s.best_value, mode=self.mode):
+            s.best_value, s.best_step = metrics[self.metric], step
+        es = self.stopping
+        if es is None:
+            return None
+        value, mode = metrics[es.metric], es.resolved_mode
+        if improves(value, s.improved_value, mode=mode, min_delta=es.min_delta):
+            s.improved_value, s.bad_evals = value, 0
+            return None
+        s.bad_evals += 1
+        if s.bad_evals < es.patience:
+            return None
+        s.stopped = (
+            f"early stopping at step {step}: {es.metric} did not improve by more than "
+            f"{es.min_delta:g} ({mode}) in {es.patience} evaluation(s) in a row; its best was "
+            f"{s.improved_value:.6g}"
+        )
+        return s.stopped
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.state = WatchState(**state)
