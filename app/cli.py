@@ -23,6 +23,7 @@ from app.cli_render import (
     checkpoints_table,
     print_run,
     problems_table,
+    profile_table,
     runs_table,
     watch_run,
 )
@@ -221,23 +222,49 @@ def submit(
 
 
 @app.command()
-def validate(ctx: typer.Context, spec: SpecArg, as_json: JsonOpt = False) -> None:
+def validate(
+    ctx: typer.Context,
+    spec: SpecArg,
+    as_json: JsonOpt = False,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="Also train a few real steps on the cluster and show what they measured "
+            "beside the static estimate (takes as long as loading the model).",
+        ),
+    ] = False,
+    profile_steps: Annotated[
+        int | None,
+        typer.Option(help="Steps the profile trains (2-50; the first are warm-up)."),
+    ] = None,
+) -> None:
     """Check a spec without creating a run; exit 0 when valid, 3 when not.
 
-    Prints every broken rule, or the resolved DeepSpeed config and the cost estimate.
+    Prints every broken rule, or the resolved DeepSpeed config and the cost estimate; with
+    --profile, the measured numbers too (a profile that failed exits 1).
     """
     body = _read_spec(spec)
     with _client(ctx) as client:
-        report = client.validate(body)
+        report = client.validate(body, profile=profile, profile_steps=profile_steps)
+    measured = report.get("profile")
     if as_json:
         _print_json(report)
     elif report["valid"]:
         resolved, estimate = report["resolved"], report["estimate"]
         out.print("[green]valid[/]")
         _print_json({"resolved": resolved, "estimate": estimate})
+        if measured is not None:
+            out.print(profile_table(report))
+            if measured["error"]:
+                error = measured["error"]
+                err.print(f"[red]profile failed[/] {error['code']}: {error['message']}")
     else:
         err.print(problems_table(report["errors"]))
-    raise typer.Exit(ExitCode.OK if report["valid"] else ExitCode.REFUSED)
+    if not report["valid"]:
+        raise typer.Exit(ExitCode.REFUSED)
+    # Valid, but its steps failed on the cluster (out of memory, say): the run would too.
+    raise typer.Exit(ExitCode.RUN_FAILED if measured and measured["error"] else ExitCode.OK)
 
 
 @app.command("list")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from rich.console import Console
@@ -99,6 +100,8 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
     if progress["eta_seconds"] is not None:
         step += f"  (ETA {_duration(progress['eta_seconds'])})"
     console.print(f"  step      {step}")
+    if progress.get("estimated_finish"):
+        console.print(f"  finish    ~{_local_time(progress['estimated_finish'])}")
     if run.get("queue_position"):
         console.print(f"  queue     position {run['queue_position']}")
     if metrics:
@@ -110,6 +113,91 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
         console.print(f"  checkpoint {run['output']['latest_checkpoint']}")
     if run["output"]["model_path"]:
         console.print(f"  model out {run['output']['model_path']}")
+
+
+def profile_table(report: dict[str, Any]) -> Table:
+    """The static estimate and what the profile measured, side by side, per quantity."""
+    estimate, measured = report["estimate"] or {}, report["profile"]
+    resolved = report["resolved"] or {}
+    peak = (estimate.get("memory_per_worker") or {}).get("peak") or {}
+    workers = measured["workers"]
+    table = Table(
+        "",
+        Column("static estimate", justify="right"),
+        Column(f"measured ({_steps_measured(measured)})", justify="right"),
+        title="Before the GPU hours",
+    )
+
+    def row(name: str, static: str | None, real: str | None) -> None:
+        table.add_row(name, static or "-", real or "-")
+
+    row("total steps", _text(resolved.get("total_steps")), None)
+    row("tokens per step", _text(estimate.get("tokens_per_step")), None)
+    row("step time", None, _seconds(measured["step_time_seconds"]))
+    row("tokens/s", None, _rate(measured["tokens_per_second"]))
+    row("samples/s", None, _rate(measured["samples_per_second"]))
+    row("start-up", None, _seconds(measured["startup_seconds"]))
+    row("wall time of the run", None, _seconds(measured["estimated_total_seconds"]))
+    cost = measured["estimated_cost"]
+    row("cost", None, f"{cost:,.2f} {measured['currency']}" if cost is not None else None)
+    row(
+        "peak device memory / worker",
+        _bytes(peak.get("device")) if report["estimate"] else None,
+        _per_worker(workers, "peak_device_memory_bytes"),
+    )
+    row(
+        "peak host memory / worker",
+        _bytes(peak.get("host")) if report["estimate"] else None,
+        _per_worker(workers, "peak_host_memory_bytes"),
+    )
+    return table
+
+
+def _steps_measured(measured: dict[str, Any]) -> str:
+    if measured["steps_measured"] is None:
+        return "failed" if measured["error"] else "none"
+    return f"{measured['steps_measured']} of {measured['steps']} steps"
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else f"{value:,}"
+
+
+def _seconds(value: float | None) -> str | None:
+    if value is None:
+        return None
+    return f"{value:.3g} s" if value < 60 else _duration(value)
+
+
+def _rate(value: float | None) -> str | None:
+    return None if value is None else f"{value:,.1f}"
+
+
+def _bytes(value: float | None) -> str | None:
+    if value is None:
+        return None
+    size, unit = float(value), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+
+
+def _per_worker(workers: list[dict[str, Any]], key: str) -> str | None:
+    """One value per rank, or the one value they share (`rank: value` where they differ)."""
+    values = [_bytes(w[key]) for w in workers]
+    if not values or all(v is None for v in values):
+        return None
+    if len(set(values)) == 1:
+        return values[0]
+    return ", ".join(f"r{w['rank']} {v or '-'}" for w, v in zip(workers, values, strict=True))
+
+
+def _local_time(iso: str) -> str:
+    """An API time (UTC, ISO 8601) in this machine's time zone, to the second."""
+    moment = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
 def watch_run(

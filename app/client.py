@@ -63,8 +63,21 @@ class TuneyardClient:
         result: dict[str, Any] = self._call("POST", "/v1/runs", json=spec, headers=headers).json()
         return result
 
-    def validate(self, spec: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", "/v1/runs/validate", json=spec).json()
+    def validate(
+        self, spec: dict[str, Any], *, profile: bool = False, profile_steps: int | None = None
+    ) -> dict[str, Any]:
+        """With `profile`, the service also trains a few steps on the cluster before it
+        answers: minutes for a large model, so no read timeout then (the service has its
+        own, TUNEYARD_PROFILE_TIMEOUT_S)."""
+        body, timeout = spec, self.http.timeout
+        if profile:
+            body = {**spec, "profile": True}
+            if profile_steps is not None:
+                body["profile_steps"] = profile_steps
+            timeout = httpx.Timeout(self.http.timeout.connect, read=None)
+        result: dict[str, Any] = self._call(
+            "POST", "/v1/runs/validate", json=body, timeout=timeout
+        ).json()
         return result
 
     def list_runs(

@@ -76,9 +76,7 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
     )
 
 
-def job_runtime_env(
-    spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
-) -> dict[str, Any]:
+def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]) -> dict[str, Any]:
     """The runtime_env of every job tuneyard submits, a run's attempt or a validation's
     profile (app/services/profiles.py): the same packages, variables and spec, so that a
     profile measures what the run will train. `env`: the job's own variables, set last."""

@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from app.api import dashboard, files, fine_tuning, health, internal, prometheus, runs, webhooks
 from app.api.deps import AppState
@@ -22,6 +24,7 @@ from app.metrics import ServiceMetrics
 from app.migrate import prepare_database
 from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
+from app.schemas.profile import ValidateRequest
 from app.services.placement import ClusterView
 from app.services.webhook_delivery import WebhookDeliverer
 from app.services.webhooks import configure_sessions
@@ -115,6 +118,7 @@ def create_app(
         redoc_url=None,
     )
     mark_uploads_binary(app)
+    document_bodies_read_as_json(app, ValidateRequest)
     read_session_factory = make_session_factory(read_engine)
     state = app.state.tuneyard = AppState(
         settings=settings,
@@ -156,6 +160,29 @@ def mark_uploads_binary(app: FastAPI) -> None:
         if app.openapi_schema is None:
             _mark_binary(build())  # FastAPI builds the document once, then serves it
         return build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def document_bodies_read_as_json(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add to the document's components the schemas of bodies that routes read as plain
+    JSON and validate themselves: `POST /v1/runs/validate` answers a body that breaks rules
+    with a report, not a 422, so FastAPI never sees its model and would leave its `$ref`
+    dangling. The parts FastAPI lists already (the run request's) stay as it wrote them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        fresh = app.openapi_schema is None
+        document = build()
+        if fresh:
+            _, schemas = models_json_schema(
+                [(model, "validation") for model in models],
+                ref_template="#/components/schemas/{model}",
+            )
+            listed = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in schemas.get("$defs", {}).items():
+                listed.setdefault(name, schema)
+        return document
 
     app.openapi = openapi  # type: ignore[method-assign]
 

@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     # `webhook_events` (comma-separated; default: the terminal ones). They need the secret.
     webhook_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     webhook_events: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: list(TERMINAL_WEBHOOK_EVENTS)
+        default_factory=lambda: list[str](TERMINAL_WEBHOOK_EVENTS)
     )
     # A delivery is retried with exponential backoff and jitter from this base (5 s, 10 s,
     # 20 s ...: about 10 minutes over 8 attempts), then given up as failed.

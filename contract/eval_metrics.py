@@ -38,8 +38,8 @@ def default_mode(metric: str) -> Mode:
 
 
 def improves(value: float, best: float | None, *, mode: Mode, min_delta: float = 0.0) -> bool:
-    """Whether `value` beats `best` by more than `min_delta` (as Keras' and Hugging Face's
-    EarlyStopping callbacks count an improvement). A NaN never improves; anything does
+    """Whether `value` beats `best` by more than `min_delta` (as Hugging Face's
+    EarlyStoppingCallback counts an improvement). A NaN never improves; anything does
     against no best yet."""
     if value != value:  # NaN
         return False

@@ -36,3 +36,15 @@ RESERVED_NAMES = frozenset(
 def is_reserved(name: str) -> bool:
     """Whether `name` is one of tuneyard's own job variables."""
     return name in RESERVED_NAMES or name.startswith(RESERVED_PREFIX)
+
+
+# Experiment tracking (worker/tracking.py). The MLflow server a run that asks for MLflow
+# logs to: the service's TUNEYARD_MLFLOW_TRACKING_URI, under MLflow's own name for it.
+MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+# The trackers' credentials: a run that asks for a tracker gets the service's own values of
+# its variables, when set (as every job gets contract/storage.py's CREDENTIAL_VARIABLES with
+# object storage); a run that does not ask gets none of them.
+TRACKER_VARIABLES = {
+    "mlflow": ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
+    "wandb": ("WANDB_API_KEY", "WANDB_BASE_URL"),
+}

@@ -327,8 +327,9 @@ class CheckpointingSpec(BaseModel):
 
 
 class EarlyStoppingSpec(BaseModel):
-    """Stop when evaluation stops improving: after `patience` evaluations in a row without
-    an improvement of more than `min_delta` (Keras' and Hugging Face's EarlyStopping)."""
+    """Stop when evaluation stops improving: after `patience` evaluations in a row that do
+    not beat the best so far by more than `min_delta` (Hugging Face's EarlyStoppingCallback
+    with its early_stopping_threshold)."""
 
     model_config = _strict
 

@@ -20,9 +20,10 @@ from contract.run_request import RunSpec
 class WatchState:
     best_value: float | None = None  # the best checkpoint's value of the metric
     best_step: int | None = None  # and its step
-    # Early stopping counts improvements by more than min_delta, from this value.
-    improved_value: float | None = None
-    bad_evals: int = 0  # evaluations in a row without such an improvement
+    # Early stopping's metric: its best so far, and evaluations in a row that did not beat
+    # that by more than min_delta.
+    stop_best: float | None = None
+    bad_evals: int = 0
     stopped: str | None = None  # why it stopped early (kept: a resume must not go on)
 
 
@@ -49,17 +50,22 @@ class EvalWatch:
         es = self.stopping
         if es is None:
             return None
+        # Hugging Face's EarlyStoppingCallback with Trainer's best metric: the count restarts on
+        # an improvement by more than min_delta over the best so far, and the best follows
+        # any strict improvement (tests/worker/test_eval_watch.py runs a Trainer to compare).
         value, mode = metrics[es.metric], es.resolved_mode
-        if improves(value, s.improved_value, mode=mode, min_delta=es.min_delta):
-            s.improved_value, s.bad_evals = value, 0
-            return None
-        s.bad_evals += 1
+        if improves(value, s.stop_best, mode=mode, min_delta=es.min_delta):
+            s.bad_evals = 0
+        else:
+            s.bad_evals += 1
+        if improves(value, s.stop_best, mode=mode):
+            s.stop_best = value
         if s.bad_evals < es.patience:
             return None
         s.stopped = (
             f"early stopping at step {step}: {es.metric} did not improve by more than "
             f"{es.min_delta:g} ({mode}) in {es.patience} evaluation(s) in a row; its best was "
-            f"{s.improved_value:.6g}"
+            f"{s.stop_best:.6g}"
         )
         return s.stopped
 

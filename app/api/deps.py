@@ -157,7 +157,9 @@ def _end_transaction(session: Session, commit: bool) -> None:
         session.close()
 
 
-async def run_in_read_session(request: Request, read: Callable[[Session], T]) -> T:
+async def run_in_read_session(
+    request: Request, read: Callable[[Session], T], *, blocking: bool = False
+) -> T:
     """`read(session)` in a read-only session of its own, for short reads on hot routes
     (status polling). A read has nothing to commit: closing the session ends it, in the same
     call, where `SessionDep` needs a trip to a worker thread of its own after the route.
@@ -167,7 +169,10 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
     and the handing of the GIL back and forth that comes with them, are what made polling's
     tail latency (BENCHMARKS.md, status polling). Other databases are a network round trip
     away, so their reads go to a worker thread. Either way under an admission slot: the
-    connection it takes is one the pool keeps for it."""
+    connection it takes is one the pool keeps for it.
+
+    `blocking`: the read does more than a lookup (validation reads model and dataset files,
+    and may wait for the cluster's nodes): a worker thread on every database."""
     state = app_state(request)
     factory = state.read_session_factory
 
@@ -176,7 +181,7 @@ async def run_in_read_session(request: Request, read: Callable[[Session], T]) ->
             return read(session)
 
     async with state.admission.sessions:
-        if is_sqlite(factory):
+        if is_sqlite(factory) and not blocking:
             return in_session()
         with anyio.CancelScope(shield=True):
             result = await anyio.to_thread.run_sync(

@@ -46,7 +46,15 @@ from app.schemas.run_view import (
     json_response,
 )
 from app.schemas.security_schemes import api_key
-from app.services import lifecycle, model_download, run_data, run_logs, run_stream, runs
+from app.services import (
+    lifecycle,
+    model_download,
+    profiles,
+    run_data,
+    run_logs,
+    run_stream,
+    runs,
+)
 from app.status import RunStatus
 from contract.bounds import INT32_MAX, INT64_MAX, refuse_nul
 from contract.examples import RUN_REQUEST_EXAMPLES
@@ -134,7 +142,12 @@ def create_run(
     summary="Validate a run request without creating it",
     description=(
         "The same checks as `POST /v1/runs`, with nothing stored. Returns every problem "
-        "at once, the DeepSpeed config the worker would use, and an estimate of the cost."
+        "at once, the DeepSpeed config the worker would use, and an estimate of the cost. "
+        "With `profile: true`, a valid request is also trained for `profile_steps` real "
+        "steps on the cluster, with its resources, and `profile` reports what was measured "
+        "(step time, tokens/s, peak memory per worker, the run's estimated wall time and "
+        "cost); the answer then takes as long as loading the model and those steps. A "
+        "profile that cannot run or fails answers 200 with `profile.error`."
     ),
     responses=error_responses(
         {
@@ -147,25 +160,43 @@ def create_run(
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/RunRequest"}}
+                "application/json": {"schema": {"$ref": "#/components/schemas/ValidateRequest"}}
             },
         }
     },
 )
-def validate_run(
+async def validate_run(
     body: Annotated[Any, Body(openapi_examples=RUN_REQUEST_EXAMPLES)],
-    session: SessionDep,
+    request: Request,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     cluster: ClusterDep,
+    jobs: JobsDep,
 ) -> ValidationReport:
-    return runs.validate_run_request(
-        session,
-        body=body,
-        owner_id=principal.id,
-        allowed_roots=settings.resolved_allowed_roots,
-        cluster=cluster,
+    # Validation only reads, so it takes a read session, on a worker thread (it reads files),
+    # and gives it back before a profile: a profile's minute on the cluster holds no
+    # connection, no thread and no SQLite write lock, so no other request waits on it.
+    def check(session: Session) -> runs.RequestValidation:
+        return runs.validate_run_request(
+            session,
+            body=body,
+            owner_id=principal.id,
+            allowed_roots=settings.resolved_allowed_roots,
+            cluster=cluster,
+        )
+
+    validation = await run_in_read_session(request, check, blocking=True)
+    if validation.profile is None or validation.spec is None:
+        return validation.report
+    measured = await profiles.profile_request(
+        validation.spec,
+        steps=validation.profile.profile_steps,
+        total_steps=validation.total_steps,
+        settings=settings,
+        jobs=jobs,
+        disconnected=request.is_disconnected,
     )
+    return validation.report.model_copy(update={"profile": measured})
 
 
 @router.get(

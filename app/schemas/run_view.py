@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol
 
 from fastapi import Response
 from pydantic import BaseModel, Field
 
 from app.models import Checkpoint, Event, Metric
+from app.schemas.profile import ProfileView
 
 # A metric that is not a finite number (a diverging run's loss): JSON and SQLite's REAL
 # hold no NaN or infinity, so it is stored and served as null plus this flag.
@@ -139,7 +140,16 @@ class ProgressView(BaseModel):
     total_steps: int | None
     epoch: float | None
     fraction: float | None
-    eta_seconds: float | None
+    eta_seconds: float | None = Field(
+        description="While running: the steps left times the latest measured step time "
+        "(`latest_metrics.step_time_seconds`); null otherwise."
+    )
+    estimated_finish: datetime | None = Field(
+        default=None,
+        description="While running: when the steps will be done at the measured pace, the "
+        "time of this answer plus `eta_seconds` (evaluations, checkpoints and the export "
+        "not counted); null otherwise.",
+    )
 
 
 class ErrorView(BaseModel):
@@ -224,6 +234,9 @@ class RunView(BaseModel):
                 epoch=run.epoch,
                 fraction=fraction,
                 eta_seconds=eta,
+                estimated_finish=datetime.now(UTC) + timedelta(seconds=eta)
+                if eta is not None
+                else None,
             ),
             latest_metrics=latest,
             nonfinite_metrics=nonfinite,
@@ -334,6 +347,11 @@ class ValidationReport(BaseModel):
     errors: list[dict[str, str]]
     resolved: dict[str, Any] | None
     estimate: dict[str, Any] | None
+    profile: ProfileView | None = Field(
+        default=None,
+        description="What a few real steps measured on the cluster: only for a valid request "
+        "that asked for `profile: true`.",
+    )
 
 
 class EventView(BaseModel):

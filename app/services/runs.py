@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from app.errors import (
     problems_from_pydantic,
 )
 from app.models import Run, new_id
+from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
 from app.services import estimates, lifecycle
 from app.services.placement import ClusterView
@@ -88,6 +90,15 @@ def create_run(
     return run, True
 
 
+@dataclass(frozen=True, slots=True)
+class RequestValidation:
+    report: ValidationReport
+    # Set only for a valid request that asks for a profile: what to measure, and how long.
+    profile: ValidateRequest | None = None
+    spec: dict[str, Any] | None = None
+    total_steps: int | None = None
+
+
 def validate_run_request(
     session: Session,
     *,
@@ -95,14 +106,21 @@ def validate_run_request(
     owner_id: str,
     allowed_roots: Sequence[Path],
     cluster: ClusterView | None = None,
-) -> ValidationReport:
-    """Every check `create_run` makes, with nothing stored, plus what the run would cost."""
+) -> RequestValidation:
+    """Every check `create_run` makes, with nothing stored, plus what the run would cost.
+    The body may ask for a profile too (app/services/profiles.py runs it)."""
     try:
-        request = RunRequest.model_validate(body)
+        asked = ValidateRequest.model_validate(body)
     except PydanticValidationError as exc:
-        return ValidationReport(
-            valid=False, errors=problems_from_pydantic(exc.errors()), resolved=None, estimate=None
+        return RequestValidation(
+            ValidationReport(
+                valid=False,
+                errors=problems_from_pydantic(exc.errors()),
+                resolved=None,
+                estimate=None,
+            )
         )
+    request = asked.run_request()
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
     if cluster is not None:
         checked.problems.extend(
@@ -111,12 +129,17 @@ def validate_run_request(
             )
         )
     if checked.problems:
-        return ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
-    return ValidationReport(
-        valid=True,
-        errors=[],
-        resolved=estimates.resolve(checked),
-        estimate=estimates.estimate(checked),
+        return RequestValidation(
+            ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
+        )
+    resolved = estimates.resolve(checked)
+    report = ValidationReport(
+        valid=True, errors=[], resolved=resolved, estimate=estimates.estimate(checked)
+    )
+    if not asked.profile:
+        return RequestValidation(report)
+    return RequestValidation(
+        report, profile=asked, spec=checked.spec, total_steps=resolved["total_steps"]
     )
 
 

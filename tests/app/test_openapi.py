@@ -226,16 +226,29 @@ class TestDocument:
     def test_the_run_request_schema_has_the_tutorial_examples(
         self, document: dict[str, Any]
     ) -> None:
-        for path in ("/v1/runs", "/v1/runs/validate"):
+        # Validation takes the run request plus its own fields (`profile`), in a schema of
+        # its own: `POST /v1/runs` refuses those as unknown.
+        bodies = {"/v1/runs": "RunRequest", "/v1/runs/validate": "ValidateRequest"}
+        for path, name in bodies.items():
             content = document["paths"][path]["post"]["requestBody"]["content"]
             media = content["application/json"]
-            assert media["schema"]["$ref"] == "#/components/schemas/RunRequest", path
+            assert media["schema"]["$ref"] == f"#/components/schemas/{name}", path
             assert media["examples"] == RUN_REQUEST_EXAMPLES, path
             for example in media["examples"].values():
                 assert example["summary"]
-        # Shown beside the schema too, for clients that read only schemas.
-        schema_examples = document["components"]["schemas"]["RunRequest"]["examples"]
-        assert schema_examples == [e["value"] for e in RUN_REQUEST_EXAMPLES.values()]
+            # Shown beside the schema too, for clients that read only schemas.
+            schema_examples = document["components"]["schemas"][name]["examples"]
+            assert schema_examples == [e["value"] for e in RUN_REQUEST_EXAMPLES.values()]
+        schemas = document["components"]["schemas"]
+        run_fields = set(schemas["RunRequest"]["properties"])
+        assert set(schemas["ValidateRequest"]["properties"]) - run_fields == {
+            "profile",
+            "profile_steps",
+        }
+        assert schemas["ValidateRequest"]["additionalProperties"] is False
+        report = schemas["ValidationReport"]["properties"]
+        assert {"$ref": "#/components/schemas/ProfileView"} in report["profile"]["anyOf"]
+        assert "estimated_finish" in schemas["ProgressView"]["properties"]
 
 
 class TestExamples:

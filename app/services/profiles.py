@@ -1,0 +1,280 @@
+"""Profiles: a valid request's first steps, measured on the cluster before the run is paid
+for (`POST /v1/runs/validate` with `profile: true`).
+
+The service submits a Ray job (`profile-<random>`) with the runtime env of a run's own job
+(app/dispatch.job_runtime_env) and `python -m worker.profile` as its entry point, which
+builds the training as a run does and times a few steps under Ray Train with the run's
+resources. Rank 0 writes what it measured to `profiles/<id>.json` in storage, or the job's
+driver writes why it failed there. The service waits for the job without holding a thread
+(each look at Ray is one short trip to a worker thread), reads the JSON, then leaves the
+cluster as it was: the JSON, Ray Train's folder for the profile and Ray's record of the job
+are deleted. A profile that runs past TUNEYARD_PROFILE_TIMEOUT_S, or whose client went
+away, is stopped first. Nothing is stored in the database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from app.dispatch import job_runtime_env
+from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
+from app.schemas.profile import ProfileError, ProfileView, WorkerProfile, warmup_steps
+from app.settings import Settings
+from contract.job_env import PLACEMENT_TIMEOUT_ENV, PROFILE_ENV
+from contract.run_request import ResourcesSpec, RunSpec
+from contract.storage import Storage, StorageError
+
+log = logging.getLogger("tuneyard")
+
+PROFILES_DIRNAME = "profiles"
+ENTRYPOINT = "python -m worker.profile"
+TERMINAL_JOB_STATES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+# How often the wait looks at the job (and at the client).
+POLL_INTERVAL_S = 0.5
+# A stopped job's driver and workers take a moment to go; its folders are deleted after.
+STOP_WAIT_S = 30.0
+LOG_TAIL_LINES = 20
+
+
+def new_profile_id() -> str:
+    # Never a run's id (`run_…`): the reconciler and Ray Train's folders of runs stay apart.
+    return f"profile-{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileJob:
+    id: str  # the Ray submission id, and Ray Train's run name
+    result: str  # the storage location of the JSON the job writes
+
+
+async def profile_request(
+    spec_fields: dict[str, Any],
+    *,
+    steps: int,
+    total_steps: int | None,
+    settings: Settings,
+    jobs: RayJobs | None,
+    disconnected: Callable[[], Awaitable[bool]],
+) -> ProfileView:
+    """Measure `spec_fields` (a checked request's spec) on the cluster: `steps` steps.
+    `disconnected` tells whether the client is gone, which stops the profile."""
+    shown = ProfileView(steps=steps, warmup_steps=warmup_steps(steps), total_steps=total_steps)
+    resources = ResourcesSpec.model_validate(spec_fields["resources"])
+    if jobs is None:
+        return _failed(shown, "ray_unavailable", "this service is not attached to a Ray cluster")
+    job_id = new_profile_id()
+    job = ProfileJob(id=job_id, result=settings.storage.join(PROFILES_DIRNAME, f"{job_id}.json"))
+    runtime_env = profile_runtime_env(spec_fields, job=job, steps=steps, settings=settings)
+    try:
+        await anyio.to_thread.run_sync(
+            partial(
+                jobs.submit, submission_id=job.id, entrypoint=ENTRYPOINT, runtime_env=runtime_env
+            )
+        )
+    except (RayUnavailable, RayRejected) as exc:
+        return _failed(shown, "ray_unavailable", f"the profile could not be submitted: {exc}")
+    log.info("profile %s submitted", job.id)
+    ended: JobState | str = "cancelled"
+    try:
+        ended = await _wait(jobs, job.id, settings.profile_timeout_s, disconnected)
+    finally:
+        # Whatever ended the wait (the server shutting down too), the job goes and its files
+        # with it, before the answer.
+        with anyio.CancelScope(shield=True):
+            document, failure = await anyio.to_thread.run_sync(
+                partial(_finish, jobs, settings.storage, job, ended)
+            )
+    if isinstance(ended, str):
+        reason = (
+            f"the profile did not finish within {settings.profile_timeout_s:g} s "
+            "(TUNEYARD_PROFILE_TIMEOUT_S); its job was stopped"
+            if ended == "timeout"
+            else "the client went away; the profile's job was stopped"
+        )
+        return _failed(shown, f"profile_{ended}", reason)
+    if document is None:
+        return _failed(shown, "profile_failed", failure or "the profile wrote no result")
+    return measured_view(
+        document, shown=shown, total_steps=total_steps, resources=resources, settings=settings
+    )
+
+
+def profile_runtime_env(
+    spec_fields: dict[str, Any], *, job: ProfileJob, steps: int, settings: Settings
+) -> dict[str, Any]:
+    spec = RunSpec.for_attempt(
+        spec_fields, run_id=job.id, attempt=1, storage_path=settings.storage.root
+    )
+    options = {"steps": steps, "warmup_steps": warmup_steps(steps), "result": job.result}
+    return job_runtime_env(
+        spec,
+        settings=settings,
+        env={
+            PROFILE_ENV: json.dumps(options),
+            # Ray Train's wait for the workers ends before the profile's own does.
+            PLACEMENT_TIMEOUT_ENV: str(
+                min(settings.placement_timeout_s, settings.profile_timeout_s)
+            ),
+        },
+    )
+
+
+async def _wait(
+    jobs: RayJobs,
+    job_id: str,
+    timeout_s: float,
+    disconnected: Callable[[], Awaitable[bool]],
+) -> JobState | str:
+    """The job's terminal state, or why the wait ended without one: "timeout" or
+    "disconnected". Ray unreachable for a moment is waited out, within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await disconnected():
+            return "disconnected"
+        try:
+            state = await anyio.to_thread.run_sync(jobs.state, job_id)
+        except RayUnavailable as exc:
+            log.warning("profile %s: %s", job_id, exc)
+            state = None
+        if state is not None and state.status in TERMINAL_JOB_STATES:
+            return state
+        await anyio.sleep(POLL_INTERVAL_S)
+    return "timeout"
+
+
+def _finish(
+    jobs: RayJobs, storage: Storage, job: ProfileJob, ended: JobState | str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Stop the job if it still runs, read what it wrote and delete every trace of it: the
+    JSON it wrote (or None) and, for a job that failed without one, Ray's account of why."""
+    state = ended if isinstance(ended, JobState) else _stop(jobs, job.id)
+    document = _read_json(storage, job.result)
+    failure = None
+    if document is None and state is not None and state.status != "SUCCEEDED":
+        failure = _failure_message(jobs, job.id, state)
+    for location in (job.result, storage.join(job.id)):
+        try:
+            storage.delete(location)
+        except StorageError as exc:
+            log.warning("profile %s: could not delete %s: %s", job.id, location, exc)
+    if state is not None and state.status in TERMINAL_JOB_STATES:
+        try:
+            jobs.delete(job.id)
+        except RayUnavailable as exc:
+            log.warning("profile %s: could not delete its Ray job: %s", job.id, exc)
+    else:
+        log.warning("profile %s: its Ray job did not stop within %.0f s", job.id, STOP_WAIT_S)
+    return document, failure
+
+
+def _stop(jobs: RayJobs, job_id: str) -> JobState | None:
+    """Stop the job and wait for Ray to say it ended (None if it did not in time)."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    try:
+        jobs.stop(job_id)
+        while time.monotonic() < deadline:
+            state = jobs.state(job_id)
+            if state is None or state.status in TERMINAL_JOB_STATES:
+                return state
+            time.sleep(POLL_INTERVAL_S)
+    except RayUnavailable as exc:
+        log.warning("profile %s: could not stop its Ray job: %s", job_id, exc)
+    return None
+
+
+def _read_json(storage: Storage, location: str) -> dict[str, Any] | None:
+    try:
+        if not storage.exists(location):
+            return None
+        document = json.loads(storage.read_bytes(location))
+    except (StorageError, ValueError) as exc:
+        log.warning("profile result %s unreadable: %s", location, exc)
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _failure_message(jobs: RayJobs, job_id: str, state: JobState) -> str:
+    message = f"the profile's Ray job {state.status.lower()}: {state.message}"
+    try:
+        tail = "\n".join(jobs.logs(job_id).splitlines()[-LOG_TAIL_LINES:])
+    except RayUnavailable:
+        return message
+    return f"{message}\nlast log lines:\n{redact(tail)}" if tail else message
+
+
+def _failed(shown: ProfileView, code: str, message: str) -> ProfileView:
+    return shown.model_copy(update={"error": ProfileError(code=code, message=message)})
+
+
+# --- what the numbers mean for the whole run ---------------------------------------------
+
+
+def gpus_of(resources: ResourcesSpec) -> int:
+    """The GPUs a run holds while it trains: what a GPU-hour price is charged for."""
+    if not resources.use_gpu:
+        return 0
+    return resources.num_workers * (resources.gpus_per_worker or 1)
+
+
+def estimated_total_seconds(
+    *, startup_seconds: float, step_time_seconds: float, total_steps: int | None
+) -> float | None:
+    """The run's wall time: its start-up, then every step at the measured pace."""
+    if total_steps is None:
+        return None
+    return startup_seconds + step_time_seconds * total_steps
+
+
+def estimated_cost(
+    *, gpu_hour_price: float | None, gpus: int, total_seconds: float | None
+) -> float | None:
+    """GPU-hours at the configured price. A CPU-only run holds no GPU, so it costs 0 at any
+    GPU price (not null: the service has a price, and the run's share of it is nothing)."""
+    if gpu_hour_price is None or total_seconds is None:
+        return None
+    return gpu_hour_price * gpus * total_seconds / 3600
+
+
+def measured_view(
+    document: dict[str, Any],
+    *,
+    shown: ProfileView,
+    total_steps: int | None,
+    resources: ResourcesSpec,
+    settings: Settings,
+) -> ProfileView:
+    """The worker's JSON (worker/profile.py) with the whole run's time and cost added."""
+    error = document.get("error")
+    if isinstance(error, dict):
+        return _failed(shown, str(error.get("code")), str(error.get("message")))
+    step_time = float(document["step_time_seconds"])
+    startup = float(document["startup_seconds"])
+    total = estimated_total_seconds(
+        startup_seconds=startup, step_time_seconds=step_time, total_steps=total_steps
+    )
+    gpus = gpus_of(resources)
+    cost = estimated_cost(gpu_hour_price=settings.gpu_hour_price, gpus=gpus, total_seconds=total)
+    return shown.model_copy(
+        update={
+            "steps_measured": int(document["steps_measured"]),
+            "step_time_seconds": step_time,
+            "tokens_per_second": document.get("tokens_per_second"),
+            "samples_per_second": document.get("samples_per_second"),
+            "startup_seconds": startup,
+            "workers": [WorkerProfile.model_validate(w) for w in document["workers"]],
+            "estimated_total_seconds": total,
+            "gpus": gpus,
+            "estimated_cost": cost,
+            "currency": settings.gpu_hour_currency if cost is not None else None,
+        }
+    )
