@@ -1,9 +1,11 @@
 """The worker's metrics: one interface (`log_step`, `log_eval`, `event`, `flush`, `close`)
-in front of the reductions every rank joins and the service, which rank 0 posts to."""
+in front of the reductions every rank joins and the service and experiment trackers, which
+rank 0 posts to."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from contract.run_request import RunSpec
 from worker.host_group import host_group
 from worker.service_client import MetricsSender, ServiceClient
+from worker.tracking import Trackers
 
 if TYPE_CHECKING:
     from worker.train_loop import StepResult
@@ -35,6 +38,8 @@ class MetricSinks:
         self._latest: dict[str, float] = {}
         self.client: ServiceClient | None = None
         self.sender: MetricsSender | None = None
+        # The run's MLflow / W&B runs (worker/tracking.py): rank 0's, when the run asks.
+        self.trackers: Trackers | None = None
         self._progress: dict[str, Any] = {}
         self._process = psutil.Process()
         # A logged step whose all-reduce is still in flight.
@@ -46,6 +51,9 @@ class MetricSinks:
         if rank == 0:
             self.client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
             self.sender = MetricsSender(self.client)
+            self.trackers = Trackers.for_rank(
+                spec, rank=rank, on_failure=lambda message: self.event("tracking_failed", message)
+            )
 
     @property
     def latest(self) -> dict[str, float]:
@@ -136,14 +144,24 @@ class MetricSinks:
         }
         self._latest = metrics
         self._progress = pending.progress
-        if self.sender is not None:
-            self.sender.log(metrics, step=pending.progress["step"], progress=self._progress)
+        self._post(metrics, step=pending.progress["step"], progress=self._progress)
 
     def log_eval(self, metrics: dict[str, float], *, step: int) -> None:
         self._complete_pending()
         self._latest = {**self._latest, **metrics}
+        self._post(metrics, step=step, progress=self._progress or {"step": step})
+
+    def _post(self, metrics: dict[str, float], *, step: int, progress: dict[str, Any]) -> None:
+        """Where rank 0's metric points leave: to the service and to the trackers."""
         if self.sender is not None:
-            self.sender.log(metrics, step=step, progress=self._progress or {"step": step})
+            self.sender.log(metrics, step=step, progress=progress)
+        if self.trackers is not None:
+            self.trackers.log(metrics, step=step)
+
+    def exported(self, path: str, kind: str) -> None:
+        """An exported model (rank 0, after the service has it): the trackers record where."""
+        if self.trackers is not None:
+            self.trackers.exported(path, kind)
 
     def event(self, type: str, message: str) -> None:
         """One try, no retries: these are informational and must not delay training."""
@@ -161,10 +179,16 @@ class MetricSinks:
                 self._progress.get("step", "?"),
             )
 
-    def close(self) -> None:
+    def close(self, *, failed: bool | None = None) -> None:
+        """`failed`: how the run ended, for the trackers' runs (FAILED or FINISHED); unset,
+        whether an exception is on its way out, as when called from a `finally`."""
+        if failed is None:
+            failed = sys.exc_info()[1] is not None
         # A reduction still in flight here belongs to a failed run (a clean end flushes
         # first); waiting on it could hang on a peer that is gone, so it is dropped.
         self._pending = None
+        if self.trackers is not None:
+            self.trackers.close(failed=failed)
         if self.sender is not None:
             self.sender.close()
         if self.client is not None:

@@ -300,6 +300,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
                     kind=export.kind,
                     metrics={"export_max_logit_diff": export.max_diff},
                 )
+                sinks.exported(export.path, export.kind)
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ def evaluation_problems(req: RunRequest) -> list[dict[str, str]]:
                 field,
                 f"{metric!r} is not an evaluation metric of {what}: one of " + ", ".join(names),
             )
-    if es is not None and tr.eval_every_n_steps is None:
+    if es is not None and tr.eval_every_n_steps is None and req.dataset.eval_wanted():
         add(
             "early_stopping",
             "early_stopping needs training.eval_every_n_steps: without it the run "
