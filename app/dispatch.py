@@ -31,6 +31,7 @@ from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
 from app.services import lifecycle
 from app.services.lifecycle import Failure, RayVerdict
+from app.services.tracking_rules import tracking_job_env
 from app.settings import Settings
 from app.status import RunStatus
 from contract.job_env import (
@@ -72,7 +73,12 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
     return job_runtime_env(
         spec,
         settings=settings,
-        env={TOKEN_ENV: token, CALLBACK_URL_ENV: settings.resolved_callback_url},
+        env={
+            TOKEN_ENV: token,
+            CALLBACK_URL_ENV: settings.resolved_callback_url,
+            # A run's trackers, and only a run's: a profile's job logs to none.
+            **tracking_job_env(spec, settings=settings),
+        },
     )
 
 

@@ -27,6 +27,7 @@ from app.ray_jobs import RayJobs
 from app.schemas.profile import ValidateRequest
 from app.services.placement import ClusterView
 from app.services.webhook_delivery import WebhookDeliverer
+from app.services.tracking_rules import configure_sessions as configure_tracking_sessions
 from app.services.webhooks import configure_sessions
 from app.settings import Settings
 
@@ -127,6 +128,7 @@ def create_app(
         metrics=ServiceMetrics(read_session_factory),
     )
     configure_sessions(state.session_factory, settings)
+    configure_tracking_sessions(state.session_factory, settings)
     install_error_handlers(app)
     app.add_middleware(RunIdMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer, errors included

@@ -120,6 +120,12 @@ class Settings(BaseSettings):
     # JIT-builds DeepSpeed's ops can take minutes, but the request must end.
     profile_timeout_s: float = Field(default=900.0, gt=0)
 
+    # Experiment tracking (worker/tracking.py). The MLflow tracking server that runs asking
+    # for `tracking.mlflow` log to, as the cluster's nodes reach it; unset, no run may ask.
+    # A job gets it as MLFLOW_TRACKING_URI. W&B needs no setting: WANDB_API_KEY and
+    # WANDB_BASE_URL go from the service's environment to the runs that ask for W&B.
+    mlflow_tracking_uri: str | None = None
+
     @field_validator("storage_path", mode="before")
     @classmethod
     def _storage_opens(cls, value: object) -> object:

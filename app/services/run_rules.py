@@ -28,6 +28,7 @@ from app.services.model_files import (
     safetensors_headers,
     trainable_model_types,
 )
+from app.services.tracking_rules import tracking_problems
 from app.services.webhook_rules import webhook_problems
 from app.settings import SourceRoots
 from contract.datasets import (
@@ -81,6 +82,7 @@ def check_run_request(
         _check_model(request, checked, allowed_roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
     checked.problems.extend(webhook_problems(session, request))
+    checked.problems.extend(tracking_problems(session, request))
     if not checked.problems:
         try:
             checked.plan = _step_plan(request, checked.dataset_records)

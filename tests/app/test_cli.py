@@ -27,8 +27,10 @@ from app.cli import ExitCode, app
 from app.main import create_app
 from app.ports import free_port
 from app.settings import Settings
+from contract.job_env import PROFILE_ENV
 from tests.app.conftest import served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_profiles import ProfilingRay
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -161,6 +163,59 @@ class TestValidate:
         result = live.cli("validate", str(spec))
         assert result.exit_code == ExitCode.REFUSED
         assert "tensor_parallel_size" in result.stderr
+
+
+class TestValidateProfile:
+    @pytest.fixture
+    def profiling(
+        self, settings: Settings, session_factory: sessionmaker[Session]
+    ) -> Iterator[LiveService]:
+        """A service whose Ray plays a profile's job (tests/app/test_profiles.py)."""
+        priced = settings.model_copy(update={"gpu_hour_price": 3.0})
+        api = create_app(priced, start_background=False)
+        ray = ProfilingRay(priced.storage)
+        api.state.tuneyard.jobs = ray
+        with served(api) as url:
+            yield LiveService(
+                url=url,
+                key=make_api_key(session_factory),
+                ray=ray,
+                settings=priced,
+                session_factory=session_factory,
+            )
+
+    def test_measured_numbers_beside_the_static_estimate(
+        self, profiling: LiveService, tmp_path: Path
+    ) -> None:
+        spec = write_spec(tmp_path, training={"max_steps": 100})
+        result = profiling.cli("validate", str(spec), "--profile", "--profile-steps", "4")
+        assert result.exit_code == ExitCode.OK, result.stderr
+        [job] = profiling.ray.submitted
+        assert json.loads(job["runtime_env"]["env_vars"][PROFILE_ENV])["steps"] == 4
+        table = {
+            line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:4]]
+            for line in result.stdout.splitlines()
+            if line.count("│") == 4
+        }
+        assert "measured (2 of 4 steps)" in result.stdout
+        assert table["total steps"] == ["100", "-"]
+        assert table["step time"] == ["-", "0.5 s"]
+        assert table["tokens/s"] == ["-", "1,000.0"]
+        # 20 s of start-up, then 100 steps of 0.5 s.
+        assert table["wall time of the run"] == ["-", "1:10"]
+        assert table["cost"] == ["-", "0.00 USD"]  # a CPU run holds no GPU
+        assert table["peak host memory / worker"][1] == "r0 600.0 MiB, r1 610.0 MiB"
+        assert table["peak device memory / worker"][1] == "-"
+
+    def test_a_failed_profile_exits_1_with_its_error(
+        self, profiling: LiveService, tmp_path: Path
+    ) -> None:
+        ray = profiling.ray
+        assert isinstance(ray, ProfilingRay)
+        ray.result = {"error": {"code": "training_error", "message": "worker rank 1: OOM"}}
+        result = profiling.cli("validate", str(write_spec(tmp_path)), "--profile")
+        assert result.exit_code == ExitCode.RUN_FAILED
+        assert "training_error: worker rank 1: OOM" in result.stderr
 
 
 class TestErrors:

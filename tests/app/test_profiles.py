@@ -126,7 +126,12 @@ class TestRequest:
 
     @pytest.mark.parametrize("steps", [1, 51, "many"])
     def test_profile_steps_out_of_bounds_is_a_problem_and_runs_nothing(
-        self, client: TestClient, auth: dict[str, str], tmp_path: Path, ray: ProfilingRay, steps: Any
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        ray: ProfilingRay,
+        steps: Any,
     ) -> None:
         body = {**run_request(tmp_path), "profile": True, "profile_steps": steps}
         report = _validate(client, auth, body)
@@ -180,9 +185,7 @@ class TestProfile:
         assert TOKEN_ENV not in env and CALLBACK_URL_ENV not in env
         options = json.loads(env[PROFILE_ENV])
         assert options["steps"] == 4 and options["warmup_steps"] == 2
-        assert options["result"] == priced.storage.join(
-            "profiles", f"{job['submission_id']}.json"
-        )
+        assert options["result"] == priced.storage.join("profiles", f"{job['submission_id']}.json")
 
         profile = report["profile"]
         assert profile["error"] is None
@@ -231,9 +234,7 @@ class TestProfile:
         )
         with TestClient(app) as client:
             app.state.tuneyard.jobs = ray
-            profile = _validate(client, auth, {**run_request(tmp_path), "profile": True})[
-                "profile"
-            ]
+            profile = _validate(client, auth, {**run_request(tmp_path), "profile": True})["profile"]
         assert profile["error"]["code"] == "profile_timeout"
         [job] = ray.submitted
         assert ray.stopped == [job["submission_id"]]

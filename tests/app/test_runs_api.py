@@ -48,6 +48,7 @@ class TestCreateRun:
             "epoch": None,
             "fraction": None,
             "eta_seconds": None,
+            "estimated_finish": None,
         }
         assert run["output"] == {"model_path": None, "latest_checkpoint": None}
 

@@ -51,6 +51,7 @@ def test_profile_measures_real_steps_and_leaves_the_cluster_as_it_was(
     report = json.loads(validated.stdout)
     assert report["valid"] is True
     profile = report["profile"]
+    print("PROFILE", json.dumps(profile), "TOOK", took)
     assert profile["error"] is None, (profile["error"], service.log_path.read_text()[-3000:])
 
     # The default: 4 steps, the first 2 warm-up.

@@ -53,6 +53,8 @@ function renderRun() {
     ["Created", dateTime(run.created_at)],
     ["Duration", duration(run.started_at, run.finished_at)],
     ["ETA", run.progress.eta_seconds ? `${Math.round(run.progress.eta_seconds)}s` : "–"],
+    // While running: when the steps will be done at the measured step time.
+    ["Estimated finish", dateTime(run.progress.estimated_finish)],
   ];
   document
     .getElementById("run-summary")

@@ -1,0 +1,94 @@
+"""Experiment tracking on the service's side: what a request's `tracking` needs from the
+service (checked before any compute), and what a tracked run's job gets from it.
+
+A tracker the service cannot serve is refused with a 422 rather than left to fail quietly
+on the cluster, where worker/tracking.py would only report it as an event: the client
+package missing, no MLflow server configured, W&B online without an API key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.errors import field_problem
+from app.settings import Settings
+from contract.job_env import MLFLOW_TRACKING_URI_ENV, TRACKER_VARIABLES
+from contract.run_request import RunDefinition, RunSpec
+
+# Where a session finds the service's settings (see `configure_sessions`).
+_SETTINGS_KEY = "tuneyard.tracking"
+WANDB_API_KEY = "WANDB_API_KEY"
+
+
+def configure_sessions(factory: sessionmaker[Session], settings: Settings) -> None:
+    """Every session of `factory` carries the service's settings, for `tracking_problems`:
+    request checks get a session, not the settings."""
+    factory.configure(info={**factory.kw.get("info", {}), _SETTINGS_KEY: settings})
+
+
+def tracking_problems(session: Session, request: RunDefinition) -> list[dict[str, str]]:
+    """A session made elsewhere (a script, a test's own factory) has no MLflow server."""
+    settings = session.info.get(_SETTINGS_KEY)
+    uri = settings.mlflow_tracking_uri if isinstance(settings, Settings) else None
+    job_env = settings.resolved_job_env() if isinstance(settings, Settings) else {}
+    problems = []
+    if request.tracking.mlflow is not None:
+        if not _installed("mlflow"):
+            problems.append(_extra_missing("mlflow"))
+        elif not uri:
+            problems.append(
+                field_problem(
+                    "tracking.mlflow",
+                    "this service has no MLflow tracking server (TUNEYARD_MLFLOW_TRACKING_URI) "
+                    "to log to: ask its operator to set one, or leave tracking.mlflow out",
+                )
+            )
+    wandb = request.tracking.wandb
+    if wandb is not None:
+        if not _installed("wandb"):
+            problems.append(_extra_missing("wandb"))
+        elif wandb.mode == "online" and not (os.environ.get(WANDB_API_KEY) or job_env.get(WANDB_API_KEY)):
+            problems.append(
+                field_problem(
+                    "tracking.wandb",
+                    "mode 'online' needs a W&B API key, and this service has none "
+                    f"({WANDB_API_KEY} in its environment): use mode 'offline', which writes "
+                    "the run to files on the worker for `wandb sync` to upload later, or ask "
+                    "the service's operator to set one",
+                )
+            )
+    return problems
+
+
+def tracking_job_env(
+    spec: RunSpec, *, settings: Settings, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What an attempt's trackers need in its job's environment: the MLflow server, and the
+    service's own values (from `environ`, default this process's) of the credential
+    variables of each tracker the run asks for. Only those: the job's environment can be
+    read by anyone with the Ray dashboard."""
+    environ = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    asked = {"mlflow": spec.tracking.mlflow, "wandb": spec.tracking.wandb}
+    for tracker, names in TRACKER_VARIABLES.items():
+        if asked[tracker] is not None:
+            env.update({name: environ[name] for name in names if environ.get(name)})
+    if spec.tracking.mlflow is not None and settings.mlflow_tracking_uri:
+        env[MLFLOW_TRACKING_URI_ENV] = settings.mlflow_tracking_uri
+    return env
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _extra_missing(tracker: str) -> dict[str, str]:
+    return field_problem(
+        f"tracking.{tracker}",
+        f"tracking.{tracker} needs tuneyard's {tracker} extra, which this service lacks: "
+        f"pip install 'tuneyard[{tracker}]'",
+    )

@@ -1,0 +1,97 @@
+"""A run that watches itself, end to end on real Ray and DeepSpeed: it stops early, keeps
+and marks its best checkpoint, and exports the best weights rather than the last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.tiny_assets import write_jsonl_dataset
+from tests.e2e.conftest import Service
+from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def watched_run(service: Service, tiny_model_dir: Path) -> dict[str, Any]:
+    data = write_jsonl_dataset(service.data_dir / "watched.jsonl", rows=160, seed=11)
+    body = {
+        "model": str(tiny_model_dir),
+        "dataset": {"source": str(data), "split": "train[:90%]", "eval_split": "train[90%:]"},
+        "training": {
+            "max_steps": 20,
+            "learning_rate": 1e-3,
+            "batch_size_per_worker": 4,
+            "seq_length": 32,
+            "eval_every_n_steps": 1,
+        },
+        # ZeRO-3: the best checkpoint's partitions are loaded back before the export.
+        "deepspeed": {"zero_stage": 3},
+        "resources": {"num_workers": 2},
+        # No evaluation can beat the first by more than min_delta: the run stops at its
+        # third evaluation, whatever the losses are.
+        "early_stopping": {"metric": "eval_loss", "patience": 2, "min_delta": 1000},
+        # Ranked by the largest loss, the best is an early step (the loss falls from a
+        # random start), so an export of the best is told apart from the last weights.
+        "checkpointing": {"keep_last": 1, "best_metric": "eval_loss", "best_mode": "max"},
+        "export": {"from": "best"},
+    }
+    run = service.wait_terminal(service.submit(body)["id"])
+    assert_succeeded(service, run)
+    return run
+
+
+def test_stops_early_with_the_reason(service: Service, watched_run: dict[str, Any]) -> None:
+    assert watched_run["progress"]["step"] == 3
+    assert watched_run["result"]["stop_reason"] == "early_stopping"
+    assert "step 3" in watched_run["result"]["stop_message"]
+    events = service.http.get(f"/v1/runs/{watched_run['id']}/events").json()["data"]
+    stops = [e for e in events if e["type"] == "early_stopped"]
+    assert len(stops) == 1 and "eval_loss did not improve" in stops[0]["message"]
+
+
+def test_best_checkpoint_is_marked_and_kept(service: Service, watched_run: dict[str, Any]) -> None:
+    run_id = watched_run["id"]
+    losses = metric_series(service, run_id, "eval_loss")
+    assert sorted(losses) == [1, 2, 3]
+    best = max(sorted(losses), key=lambda step: (losses[step], step))
+    assert best != 3, "the best must not be the last step for this test to tell them apart"
+    result = watched_run["result"]
+    assert (result["best_step"], result["best_value"]) == (best, losses[best])
+
+    listed = checkpoints(service, run_id, "deepspeed")
+    assert [c["step"] for c in listed] == [1, 2, 3]
+    assert [c["step"] for c in listed if c["best"]] == [best]
+    # keep_last 1: Ray Train kept the best and the latest, and deleted the other; the
+    # flags say what storage holds.
+    on_disk = {p.name for p in (service.home / "storage" / run_id).glob("checkpoint_step_*")}
+    for c in listed:
+        assert (Path(c["path"]).name in on_disk) == (not c["pruned"]), (c, on_disk)
+    assert {c["step"] for c in listed if not c["pruned"]} == {best, 3}
+
+
+def test_export_holds_the_best_weights(service: Service, watched_run: dict[str, Any]) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    run_id = watched_run["id"]
+    best = watched_run["result"]["best_step"]
+    (export,) = checkpoints(service, run_id, "hf")
+    assert export["step"] == best
+    exported = load_file(Path(watched_run["output"]["model_path"]) / "model.safetensors")
+    folder = service.home / "storage" / run_id
+
+    def weights_at(step: int) -> dict[str, torch.Tensor]:
+        return get_fp32_state_dict_from_zero_checkpoint(folder / f"checkpoint_step_{step:08d}")
+
+    at_best, at_last = weights_at(best), weights_at(3)
+    shared = sorted(set(exported) & set(at_best))
+    assert len(shared) > 10
+    # fp32 on CPU: the export is the best checkpoint's weights exactly, not the last ones.
+    for name in shared:
+        assert torch.equal(exported[name], at_best[name]), name
+    assert any(not torch.equal(exported[n], at_last[n]) for n in shared)
