@@ -55,6 +55,7 @@ function renderRun() {
     ["ETA", run.progress.eta_seconds ? `${Math.round(run.progress.eta_seconds)}s` : "–"],
     // While running: when the steps will be done at the measured step time.
     ["Estimated finish", dateTime(run.progress.estimated_finish)],
+    ["Result", resultText(run.result)],
   ];
   document
     .getElementById("run-summary")
@@ -66,6 +67,16 @@ function renderRun() {
   document.getElementById("resume").disabled = !["failed", "cancelled"].includes(run.status);
   setText("spec", pretty(spec));
   renderModel();
+}
+
+function resultText(result) {
+  if (!result) return "–";
+  const parts = [];
+  if (result.stop_reason) parts.push(result.stop_reason.replace("_", " "));
+  if (result.best_step != null) {
+    parts.push(`best ${result.best_metric} ${number(result.best_value)} at step ${result.best_step}`);
+  }
+  return parts.join(" · ") || "–";
 }
 
 function renderModel() {
@@ -88,7 +99,15 @@ async function loadCheckpoints() {
         "tr",
         {},
         el("td", {}, String(c.step)),
-        el("td", {}, c.kind),
+        // The best by the run's best metric (kept whatever keep_last says), and what
+        // keep_last has deleted from storage.
+        el(
+          "td",
+          {},
+          c.kind,
+          c.best ? el("span", { class: "tag tag-best" }, " best") : null,
+          c.pruned ? el("span", { class: "tag muted" }, " pruned") : null,
+        ),
         el("td", {}, String(c.attempt)),
         el("td", {}, el("code", { class: "path" }, c.path)),
         el("td", {}, copyButton(c.path)),
