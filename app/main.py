@@ -26,8 +26,8 @@ from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
 from app.schemas.profile import ValidateRequest
 from app.services.placement import ClusterView
-from app.services.webhook_delivery import WebhookDeliverer
 from app.services.tracking_rules import configure_sessions as configure_tracking_sessions
+from app.services.webhook_delivery import WebhookDeliverer
 from app.services.webhooks import configure_sessions
 from app.settings import Settings
 
@@ -127,8 +127,8 @@ def create_app(
         read_session_factory=read_session_factory,
         metrics=ServiceMetrics(read_session_factory),
     )
-    configure_sessions(state.session_factory, settings)
-    configure_tracking_sessions(state.session_factory, settings)
+    configure_sessions(settings, state.session_factory, state.read_session_factory)
+    configure_tracking_sessions(settings, state.session_factory, state.read_session_factory)
     install_error_handlers(app)
     app.add_middleware(RunIdMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer, errors included

@@ -256,13 +256,20 @@ class _Wandb(_Backend):
             type="model",
             metadata={"tuneyard_run_id": self.spec.run_id, "kind": kind, "path": path},
         )
-        # A reference without checksums: W&B records the location, reads no byte of it.
+        # Without checksums W&B reads none of the export's bytes: it lists a folder's files
+        # and records where each is (an object store URI: just the URI, no listing).
         uri = path if "://" in path else Path(path).absolute().as_uri()
         artifact.add_reference(uri, checksum=False)
         self.run.log_artifact(artifact)
 
     def finish(self, *, failed: bool) -> None:
+        import wandb
+
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() returns before W&B's service process has written the run out (offline:
+        # its only copy); teardown waits for that. Ray may end this process without running
+        # the atexit hook that would otherwise do it.
+        wandb.teardown()
 
 
 @dataclass(slots=True)
@@ -293,7 +300,7 @@ class Trackers:
         if spec.tracking.wandb is not None:
             self.backends.append(_Wandb("wandb", spec))
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_items)
-        # Items that did not fit in the queue: counted, reported at close.
+        # Logged steps (and exports) that did not fit in the queue: counted, reported at close.
         self.dropped = 0
         self._closing = threading.Event()
         self._done = threading.Event()
@@ -347,7 +354,10 @@ class Trackers:
                 timeout_s,
             )
         if self.dropped:
-            log.warning("%d metric points were not sent to the experiment trackers", self.dropped)
+            log.warning(
+                "%d logged steps were not sent to the experiment trackers (their queue was full)",
+                self.dropped,
+            )
 
     # -- the thread ---------------------------------------------------------------
 
@@ -360,19 +370,14 @@ class Trackers:
                 points = [(i.step, i.metrics) for i in items if i.kind == "metrics"]
                 for backend in self._live():
                     if points:
-                        self._guarded(backend, lambda b=backend: b.log_metrics(points))
+                        self._guarded(backend, backend.log_metrics, points)
                 for item in items:
-                    if item.kind == "export":
-                        for backend in self._live():
-                            self._guarded(
-                                backend,
-                                lambda b=backend, i=item: b.log_export(i.path, i.export_kind),
-                            )
-                    elif item.kind == "close":
-                        for backend in self._live():
-                            self._guarded(
-                                backend, lambda b=backend, f=item.failed: b.finish(failed=f)
-                            )
+                    for backend in self._live():
+                        if item.kind == "export":
+                            self._guarded(backend, backend.log_export, item.path, item.export_kind)
+                        elif item.kind == "close":
+                            self._guarded(backend, backend.finish, failed=item.failed)
+                    if item.kind == "close":
                         return
         finally:
             self._done.set()
@@ -390,11 +395,13 @@ class Trackers:
     def _live(self) -> Iterable[_Backend]:
         return (b for b in self.backends if b.started)
 
-    def _guarded(self, backend: _Backend, call: Callable[[], None]) -> bool:
-        """`call`, whose failure is reported once per tracker and then kept quiet; the
-        tracker is tried again at its next call (a server may come back)."""
+    def _guarded(
+        self, backend: _Backend, call: Callable[..., None], *args: Any, **kwargs: Any
+    ) -> bool:
+        """`call(*args, **kwargs)`, whose failure is reported once per tracker and then kept
+        quiet; the tracker is tried again at its next call (a server may come back)."""
         try:
-            call()
+            call(*args, **kwargs)
             return True
         except Exception as exc:
             if backend.failed:

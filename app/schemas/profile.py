@@ -60,7 +60,8 @@ class ProfileError(BaseModel):
     code: str = Field(
         description="`training_error` (the request's own model, data or memory), "
         "`unplaceable`, `cluster_busy` (other runs hold the resources now), `cluster_error`, "
-        "`profile_timeout` (TUNEYARD_PROFILE_TIMEOUT_S), `ray_unavailable`"
+        "`profile_timeout` (TUNEYARD_PROFILE_TIMEOUT_S), `profile_failed` (the job ended "
+        "without a result), `ray_unavailable`"
     )
     message: str
 

@@ -44,6 +44,9 @@ POLL_INTERVAL_S = 0.5
 # A stopped job's driver and workers take a moment to go; its folders are deleted after.
 STOP_WAIT_S = 30.0
 LOG_TAIL_LINES = 20
+# Ray's job manager looks at a job's supervisor this often (see `_forget`).
+RAY_MONITOR_PERIOD_S = 1.0
+FORGET_WAIT_S = 15.0
 
 
 def new_profile_id() -> str:
@@ -169,12 +172,31 @@ def _finish(
             log.warning("profile %s: could not delete %s: %s", job.id, location, exc)
     if state is not None and state.status in TERMINAL_JOB_STATES:
         try:
-            jobs.delete(job.id)
+            _forget(jobs, job.id)
         except RayUnavailable as exc:
             log.warning("profile %s: could not delete its Ray job: %s", job.id, exc)
     else:
         log.warning("profile %s: its Ray job did not stop within %.0f s", job.id, STOP_WAIT_S)
     return document, failure
+
+
+def _forget(jobs: RayJobs, job_id: str) -> None:
+    """Delete Ray's record of the ended job, until it stays deleted. Ray's job manager
+    watches each job's supervisor every second (JOB_MONITOR_LOOP_PERIOD_S) until it sees it
+    exit; if the record is gone by then, it writes a FAILED one anew (job_manager.py,
+    `_monitor_job_internal`). So the record must be seen absent past one more of its
+    looks before the job counts as forgotten."""
+    deadline = time.monotonic() + FORGET_WAIT_S
+    while True:
+        jobs.delete(job_id)
+        absent_since = time.monotonic()
+        while jobs.state(job_id) is None:
+            if time.monotonic() - absent_since > RAY_MONITOR_PERIOD_S * 2:
+                return
+            time.sleep(POLL_INTERVAL_S)
+        if time.monotonic() > deadline:
+            log.warning("profile %s: Ray keeps a record of its job", job_id)
+            return
 
 
 def _stop(jobs: RayJobs, job_id: str) -> JobState | None:

@@ -24,10 +24,11 @@ _SETTINGS_KEY = "tuneyard.tracking"
 WANDB_API_KEY = "WANDB_API_KEY"
 
 
-def configure_sessions(factory: sessionmaker[Session], settings: Settings) -> None:
-    """Every session of `factory` carries the service's settings, for `tracking_problems`:
-    request checks get a session, not the settings."""
-    factory.configure(info={**factory.kw.get("info", {}), _SETTINGS_KEY: settings})
+def configure_sessions(settings: Settings, *factories: sessionmaker[Session]) -> None:
+    """Every session of `factories` carries the service's settings, for `tracking_problems`:
+    request checks get a session, not the settings (and /v1/runs/validate a read session)."""
+    for factory in factories:
+        factory.configure(info={**factory.kw.get("info", {}), _SETTINGS_KEY: settings})
 
 
 def tracking_problems(session: Session, request: RunDefinition) -> list[dict[str, str]]:
@@ -51,7 +52,9 @@ def tracking_problems(session: Session, request: RunDefinition) -> list[dict[str
     if wandb is not None:
         if not _installed("wandb"):
             problems.append(_extra_missing("wandb"))
-        elif wandb.mode == "online" and not (os.environ.get(WANDB_API_KEY) or job_env.get(WANDB_API_KEY)):
+        elif wandb.mode == "online" and not (
+            os.environ.get(WANDB_API_KEY) or job_env.get(WANDB_API_KEY)
+        ):
             problems.append(
                 field_problem(
                     "tracking.wandb",

@@ -59,10 +59,13 @@ class WebhookConfig:
 _UNSIGNED = WebhookConfig(signed=False)
 
 
-def configure_sessions(factory: sessionmaker[Session], settings: Settings) -> None:
-    """Every session of `factory` carries the webhook settings: a status change deep in the
-    lifecycle (`_move`) has its session, not the service's settings, at hand."""
-    factory.configure(info={**factory.kw.get("info", {}), _CONFIG_KEY: WebhookConfig.of(settings)})
+def configure_sessions(settings: Settings, *factories: sessionmaker[Session]) -> None:
+    """Every session of `factories` carries the webhook settings: a status change deep in the
+    lifecycle (`_move`), and the request checks (/v1/runs/validate's in a read session),
+    have a session, not the service's settings, at hand."""
+    config = WebhookConfig.of(settings)
+    for factory in factories:
+        factory.configure(info={**factory.kw.get("info", {}), _CONFIG_KEY: config})
 
 
 def session_config(session: Session) -> WebhookConfig:

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from app.cli import ExitCode, app
 from app.main import create_app
 from app.ports import free_port
+from app.services import profiles
 from app.settings import Settings
 from contract.job_env import PROFILE_ENV
 from tests.app.conftest import served
@@ -168,9 +169,13 @@ class TestValidate:
 class TestValidateProfile:
     @pytest.fixture
     def profiling(
-        self, settings: Settings, session_factory: sessionmaker[Session]
+        self,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        monkeypatch: pytest.MonkeyPatch,
     ) -> Iterator[LiveService]:
         """A service whose Ray plays a profile's job (tests/app/test_profiles.py)."""
+        monkeypatch.setattr(profiles, "RAY_MONITOR_PERIOD_S", 0.01)
         priced = settings.model_copy(update={"gpu_hour_price": 3.0})
         api = create_app(priced, start_background=False)
         ray = ProfilingRay(priced.storage)

@@ -82,6 +82,13 @@ class ProfilingRay(ScriptedRay):
 
     def delete(self, submission_id: str) -> None:
         self.deleted.append(submission_id)
+        self.states[submission_id] = None  # Ray no longer knows it
+
+
+@pytest.fixture(autouse=True)
+def quick_ray_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's job manager looks at a job every second; this Ray's never writes behind."""
+    monkeypatch.setattr(profiles, "RAY_MONITOR_PERIOD_S", 0.01)
 
 
 @pytest.fixture
@@ -248,6 +255,29 @@ class TestProfile:
             report = _validate(client, auth, {**run_request(tmp_path), "profile": True})
         assert report["valid"] is True
         assert report["profile"]["error"]["code"] == "ray_unavailable"
+
+
+class TestForget:
+    def test_a_record_rays_monitor_writes_anew_is_deleted_again(self) -> None:
+        """Ray's job manager writes a FAILED record for a job whose record is gone when it
+        sees the job's supervisor exit: the service deletes until the record stays gone."""
+
+        class RewritingRay(ScriptedRay):
+            def __init__(self) -> None:
+                super().__init__()
+                self.deletes = 0
+
+            def delete(self, submission_id: str) -> None:
+                self.deletes += 1
+                # The first delete lands before the monitor's last look, which rewrites it.
+                rewritten = JobState(status="FAILED", message="supervisor died")
+                self.states[submission_id] = rewritten if self.deletes == 1 else None
+
+        ray = RewritingRay()
+        jobs: Any = ray
+        profiles._forget(jobs, "profile-1")
+        assert ray.deletes == 2
+        assert ray.state("profile-1") is None
 
 
 class TestRunEstimates:

@@ -279,7 +279,11 @@ class TestRetries:
 
         [done] = deliveries(client, run_id, auth)
         assert done["id"] in keys
-        assert (done["status"], done["attempts"], done["event"]) == ("delivered", 3, "run.succeeded")
+        assert (done["status"], done["attempts"], done["event"]) == (
+            "delivered",
+            3,
+            "run.succeeded",
+        )
         assert (done["last_status_code"], done["last_error"]) == (200, None)
         assert done["delivered_at"] is not None and done["next_attempt_at"] is None
         assert done["url"] == receiver.url
@@ -397,7 +401,7 @@ class TestQueue:
             body = {"attempt": 1, "step": step, "path": f"/s/ckpt_{step}", "kind": "deepspeed"}
             r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
             assert r.status_code == 200, r.text
-        receiver.delay_s = 0.02  # sends overlap with the peer's claims
+        receiver.delay_s = 0.05  # sends overlap with the peer's claims
 
         # Two replicas: each its own engine (connection pool) on the same database.
         engines = [make_engine(settings.resolved_database_url) for _ in range(2)]
@@ -611,9 +615,19 @@ class TestBadInput:
             assert problem["field"] == "webhooks"
             assert "TUNEYARD_WEBHOOK_SECRET" in problem["message"]
             assert client.get("/v1/runs", headers=auth).json()["data"] == []  # nothing stored
+            report = client.post("/v1/runs/validate", json=body, headers=auth).json()
+            assert report["valid"] is False
+            assert [p["field"] for p in report["errors"]] == ["webhooks"]
             # Without webhooks the same service takes the run.
             r = client.post("/v1/runs", json=run_request(tmp_path), headers=auth)
             assert r.status_code == 201, r.text
+
+    def test_validate_accepts_webhooks_on_a_service_with_a_secret(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(tmp_path, webhooks=[{"url": "https://example.com/hook"}])
+        report = client.post("/v1/runs/validate", json=body, headers=auth).json()
+        assert report["valid"] is True, report["errors"]
 
     def test_service_wide_urls_without_a_secret_stop_the_start(self, tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="TUNEYARD_WEBHOOK_URLS needs TUNEYARD_WEBHOOK_SECRET"):

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from contract.eval_metrics import PAIR_METRICS
 from contract.run_request import RunSpec
 from worker.data import IGNORE_INDEX
-from contract.eval_metrics import PAIR_METRICS
 from worker.dpo import pair_sums, sigmoid_loss, valid_pairs
 from worker.preference import PreferenceCollator, tokenize_preference
 

@@ -230,9 +230,37 @@ def test_a_tracker_that_is_down_never_blocks_or_fails_the_run(
     assert [e["type"] for e in events] == ["tracking_failed"]
     assert "mlflow tracking failed, the run goes on without it" in events[0]["message"]
     # The service still got every metric point.
-    points = [p for r in service.requests() if r.path.endswith("/metrics") for p in r.body["points"]]
+    points = [
+        p for r in service.requests() if r.path.endswith("/metrics") for p in r.body["points"]
+    ]
     assert len(points) == 200
     assert len([r for r in caplog.records if "tracking failed" in r.getMessage()]) == 1
+
+
+def test_a_hung_tracker_drops_what_does_not_fit_and_the_end_waits_only_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow's address accepts connections and never answers: the thread is stuck in its
+    first call, the queue fills and then drops (counted), and close gives up on time."""
+    hung = RecordingService()
+    hung.listen()
+    monkeypatch.setenv(MLFLOW_TRACKING_URI_ENV, hung.url)
+    caplog.set_level(logging.WARNING, logger="tuneyard.worker")
+    try:
+        trackers = Trackers(_spec(tmp_path, run_id="run_hung", mlflow={}), queue_items=3)
+        started = time.perf_counter()
+        for step in range(1, 11):
+            trackers.log({"loss": 1.0}, step=step)
+        assert time.perf_counter() - started < 0.5
+        assert trackers.dropped == 7
+        started = time.perf_counter()
+        trackers.close(timeout_s=1.0)
+        assert time.perf_counter() - started < 3
+    finally:
+        hung.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("did not finish within 1 s" in m for m in messages), messages
+    assert any("7 logged steps were not sent" in m for m in messages), messages
 
 
 def test_only_rank_0_of_a_tracked_run_has_trackers(tmp_path: Path) -> None:
@@ -329,7 +357,8 @@ def test_wandb_offline_logs_the_run_and_a_resume_continues_its_id(
     again.close(failed=True)
     assert failures == []
 
-    logs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{run_id}"))
+    # offline-run-<time>-<id>, with "-1" added when two start within a second.
+    logs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(logs) == 2  # one per attempt, both of the same W&B run id
     first, second = (_wandb_run(list(wandb_records(d / f"run-{run_id}.wandb"))) for d in logs)
     assert (first["id"], first["project"], first["name"]) == (run_id, "yard", run_id)
