@@ -1,7 +1,7 @@
 """run result: why a run stopped and its best checkpoint by the chosen metric
 
 Revision ID: 9d4e1f6a2c57
-Revises: 7b2e4c9d1a30
+Revises: 3f8a6c2e9b14
 Create Date: 2026-11-24 22:15:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 
 
 revision: str = '9d4e1f6a2c57'
-down_revision: str | None = '7b2e4c9d1a30'
+down_revision: str | None = '3f8a6c2e9b14'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,7 +1,7 @@
 """webhook deliveries: a run's signed notifications, queued until a receiver takes them
 
 Revision ID: b6f2d8e4a913
-Revises: 9d4e1f6a2c57, 3f8a6c2e9b14
+Revises: 9d4e1f6a2c57
 Create Date: 2026-11-25 10:00:00
 """
 
@@ -12,9 +12,7 @@ from alembic import op
 
 
 revision: str = 'b6f2d8e4a913'
-# Also merges the two heads that branched from 7b2e4c9d1a30 (openai_jobs and run_result),
-# so that `upgrade head` has one head to go to.
-down_revision: str | Sequence[str] | None = ('9d4e1f6a2c57', '3f8a6c2e9b14')
+down_revision: str | None = '9d4e1f6a2c57'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
