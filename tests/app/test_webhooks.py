@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -77,8 +78,9 @@ class Receiver:
         return [r.payload["type"] for r in self.received]
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
+@contextmanager
+def receiving() -> Iterator[Receiver]:
+    """A real HTTP receiver on loopback, for as long as the block runs."""
     recorder = Receiver()
 
     class Handler(BaseHTTPRequestHandler):
@@ -104,6 +106,12 @@ def receiver() -> Iterator[Receiver]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with receiving() as recorder:
+        yield recorder
 
 
 # -- the service, its runs and its deliverer ------------------------------------------------

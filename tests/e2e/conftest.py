@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -127,6 +128,9 @@ def make_service(
         "TUNEYARD_PORT": str(port),
         "TUNEYARD_ALLOWED_ROOTS": ":".join(str(r) for r in [*allowed_roots, data_dir]),
         "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
+        # Runs may ask for webhooks (signed with this); retries fall due within a test.
+        "TUNEYARD_WEBHOOK_SECRET": secrets.token_hex(16),
+        "TUNEYARD_WEBHOOK_RETRY_BASE_S": "0.5",
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
     }

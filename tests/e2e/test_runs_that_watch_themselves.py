@@ -1,8 +1,13 @@
 """A run that watches itself, end to end on real Ray and DeepSpeed: it stops early, keeps
-and marks its best checkpoint, and exports the best weights rather than the last."""
+and marks its best checkpoint, exports the best weights rather than the last, and tells a
+webhook receiver on loopback what happened, signed."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +15,7 @@ import pytest
 import torch
 
 from app.tiny_assets import write_jsonl_dataset
+from tests.app.test_webhooks import Receiver, receiving
 from tests.e2e.conftest import Service
 from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
 
@@ -17,7 +23,15 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def watched_run(service: Service, tiny_model_dir: Path) -> dict[str, Any]:
+def hooks() -> Iterator[Receiver]:
+    with receiving() as receiver:
+        # Its first answer fails: the service retries, with the same idempotency key.
+        receiver.script = [503]
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def watched_run(service: Service, tiny_model_dir: Path, hooks: Receiver) -> dict[str, Any]:
     data = write_jsonl_dataset(service.data_dir / "watched.jsonl", rows=160, seed=11)
     body = {
         "model": str(tiny_model_dir),
@@ -39,6 +53,9 @@ def watched_run(service: Service, tiny_model_dir: Path) -> dict[str, Any]:
         # random start), so an export of the best is told apart from the last weights.
         "checkpointing": {"keep_last": 1, "best_metric": "eval_loss", "best_mode": "max"},
         "export": {"from": "best"},
+        "webhooks": [
+            {"url": hooks.url, "events": ["run.succeeded", "run.checkpoint", "run.early_stopped"]}
+        ],
     }
     run = service.wait_terminal(service.submit(body)["id"])
     assert_succeeded(service, run)
@@ -95,6 +112,41 @@ def test_export_holds_the_best_weights(service: Service, watched_run: dict[str, 
     for name in shared:
         assert torch.equal(exported[name], at_best[name]), name
     assert any(not torch.equal(exported[n], at_last[n]) for n in shared)
+
+
+def test_webhooks_arrive_signed_once_each(
+    service: Service, watched_run: dict[str, Any], hooks: Receiver
+) -> None:
+    run_id = watched_run["id"]
+    deadline = time.monotonic() + 60
+    while True:
+        listed = service.http.get(f"/v1/runs/{run_id}/webhooks").json()["data"]
+        if listed and all(d["status"] == "delivered" for d in listed):
+            break
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.5)
+    # Three DeepSpeed checkpoints and the export, the early stop, then success.
+    assert sorted(d["event"] for d in listed) == sorted(
+        ["run.checkpoint"] * 4 + ["run.early_stopped", "run.succeeded"]
+    )
+    secret = service.env["TUNEYARD_WEBHOOK_SECRET"].encode()
+    delivered = {}
+    for received in hooks.received:
+        fields = dict(
+            part.split("=", 1) for part in received.headers["tuneyard-signature"].split(",")
+        )
+        expected = hmac.new(secret, f"{fields['t']}.".encode() + received.body, hashlib.sha256)
+        assert hmac.compare_digest(fields["v1"], expected.hexdigest())
+        if received.answered == 200:
+            assert received.key not in delivered, "an event delivered twice"
+            delivered[received.key] = received.payload
+    assert set(delivered) == {d["id"] for d in listed}
+    # The first answer failed and was retried under the same key.
+    assert hooks.received[0].answered == 503 and hooks.received[0].key in delivered
+    done = next(p for p in delivered.values() if p["type"] == "run.succeeded")
+    assert done["data"]["run"]["result"]["stop_reason"] == "early_stopping"
+    stop = next(p for p in delivered.values() if p["type"] == "run.early_stopped")
+    assert "step 3" in stop["data"]["message"]
 
 
 def test_autotp_exports_its_best_checkpoint(service: Service, tiny_llama_dir: Path) -> None:
