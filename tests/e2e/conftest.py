@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -131,6 +132,10 @@ def make_service(
         # Runs may ask for webhooks (signed with this); retries fall due within a test.
         "TUNEYARD_WEBHOOK_SECRET": secrets.token_hex(16),
         "TUNEYARD_WEBHOOK_RETRY_BASE_S": "0.5",
+        # Runs may ask for tracking: MLflow's SQLite store needs no server (tests/worker/
+        # test_tracking.py tests against a real one), W&B offline writes under WANDB_DIR.
+        "TUNEYARD_MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "TUNEYARD_JOB_ENV": json.dumps({"WANDB_DIR": str(home / "wandb")}),
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
     }

@@ -53,6 +53,7 @@ def watched_run(service: Service, tiny_model_dir: Path, hooks: Receiver) -> dict
         # random start), so an export of the best is told apart from the last weights.
         "checkpointing": {"keep_last": 1, "best_metric": "eval_loss", "best_mode": "max"},
         "export": {"from": "best"},
+        "tracking": {"mlflow": {"experiment": "e2e"}, "wandb": {"mode": "offline"}},
         "webhooks": [
             {"url": hooks.url, "events": ["run.succeeded", "run.checkpoint", "run.early_stopped"]}
         ],
@@ -147,6 +148,30 @@ def test_webhooks_arrive_signed_once_each(
     assert done["data"]["run"]["result"]["stop_reason"] == "early_stopping"
     stop = next(p for p in delivered.values() if p["type"] == "run.early_stopped")
     assert "step 3" in stop["data"]["message"]
+
+
+def test_tracked_to_mlflow_and_wandb(service: Service, watched_run: dict[str, Any]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.worker.test_tracking import _wandb_run, wandb_records
+
+    run_id = watched_run["id"]
+    client = MlflowClient(tracking_uri=service.env["TUNEYARD_MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("e2e")
+    (tracked,) = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`tuneyard.run_id` = '{run_id}'"
+    )
+    assert tracked.info.status == "FINISHED"
+    assert tracked.data.params["training.learning_rate"] == "0.001"
+    assert tracked.data.params["early_stopping.patience"] == "2"
+    history = client.get_metric_history(tracked.info.run_id, "eval_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    assert tracked.data.tags["tuneyard.model_path"] == watched_run["output"]["model_path"]
+
+    (log,) = (service.home / "wandb").rglob(f"run-{run_id}.wandb")
+    logged = _wandb_run(list(wandb_records(log)))
+    assert logged["id"] == run_id and logged["exit_code"] == 0
+    assert {step for step, row in logged["history"].items() if "eval_loss" in row} == {1, 2, 3}
 
 
 def test_autotp_exports_its_best_checkpoint(service: Service, tiny_llama_dir: Path) -> None:
