@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
@@ -22,6 +21,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.background import TickLoop
 from app.db import transaction
 from app.logs import run_log
 from app.metrics import ServiceMetrics
@@ -105,7 +105,9 @@ def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
     return {"py_modules": JOB_PACKAGES, "env_vars": env_vars}
 
 
-class Dispatcher:
+class Dispatcher(TickLoop):
+    name = "tuneyard-dispatcher"
+
     def __init__(
         self,
         *,
@@ -124,33 +126,7 @@ class Dispatcher:
         # While Ray is unreachable, queued runs wait this long between tries (doubling).
         self._ray_backoff_s = 0.0
         self._ray_retry_at = 0.0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- the loop ---------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tuneyard-dispatcher", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("dispatcher tick failed; retrying")
-            self._wake.wait(self.settings.dispatch_interval_s)
-            self._wake.clear()
+        super().__init__(interval_s=settings.dispatch_interval_s)
 
     def tick(self) -> None:
         started = time.perf_counter()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.background import TickLoop
 from app.db import transaction
 from app.models import WebhookDelivery, utcnow
 from app.services.webhooks import (
@@ -76,7 +76,9 @@ def retry_delay_s(attempts: int, *, base_s: float, rng: random.Random | None = N
     return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
 
 
-class WebhookDeliverer:
+class WebhookDeliverer(TickLoop):
+    name = "tuneyard-webhooks"
+
     def __init__(self, *, settings: Settings, session_factory: sessionmaker[Session]) -> None:
         if settings.webhook_secret is None:
             raise ValueError("the webhook deliverer needs TUNEYARD_WEBHOOK_SECRET")
@@ -90,35 +92,15 @@ class WebhookDeliverer:
             headers={"User-Agent": USER_AGENT},
         )
         self._pool = ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="tuneyard-webhook")
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- the loop ---------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tuneyard-webhooks", daemon=True)
-        self._thread.start()
+        super().__init__(
+            interval_s=settings.webhook_poll_interval_s,
+            join_timeout_s=settings.webhook_timeout_s + 5,
+        )
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.settings.webhook_timeout_s + 5)
+        super().stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("webhook delivery tick failed; retrying")
-            self._wake.wait(self.settings.webhook_poll_interval_s)
-            self._wake.clear()
 
     def tick(self) -> int:
         """Send every delivery due now, each once; how many were attempted. A retry falls
