@@ -115,34 +115,19 @@ def check_placement_now(spec: RunSpec) -> None:
 
 def build_profile_trainer(spec: RunSpec, options: ProfileOptions, *, driver_started: float) -> Any:
     """The run's TorchTrainer (worker/trainer.py) without what outlives a run: no
-    checkpoints kept, no retries, no callbacks."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    checkpoints kept, no callbacks, and one try: a profile that failed says so, and a
+    placement wait ends it."""
+    from worker.trainer import torch_trainer
 
-    from contract.placement import worker_demand
-
-    res = spec.resources
-    return TorchTrainer(
+    return torch_trainer(
+        spec,
         profile_loop_per_worker,
-        train_loop_config={
+        {
             "spec": spec.model_dump(mode="json"),
             "options": asdict(options),
             "driver_started": driver_started,
         },
-        torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=res.num_workers,
-            use_gpu=res.use_gpu,
-            resources_per_worker=worker_demand(res),
-        ),
-        run_config=RunConfig(
-            name=spec.run_id,
-            storage_path=spec.storage_path,
-            # One try: a profile that failed says so, and a placement wait ends it.
-            failure_config=FailureConfig(  # type: ignore[call-arg]
-                max_failures=0, controller_failure_limit=0
-            ),
-        ),
+        max_failures=0,
     )
 
 

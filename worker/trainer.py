@@ -11,16 +11,39 @@ from contract.storage import Storage
 
 
 def build_trainer(spec: RunSpec) -> Any:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig
+
+    from worker.train_loop import train_loop_per_worker
+
+    return torch_trainer(
+        spec,
+        train_loop_per_worker,
+        {"spec": spec.model_dump(mode="json")},
+        max_failures=spec.fault_tolerance.max_failures,
+        checkpoint_config=checkpoint_config(spec, CheckpointConfig),
+        callbacks=[CheckpointRecorder(spec), TrainingErrorStop()],
+    )
+
+
+def torch_trainer(
+    spec: RunSpec,
+    loop: Any,
+    loop_config: dict[str, Any],
+    *,
+    max_failures: int,
+    checkpoint_config: Any = None,
+    callbacks: list[UserCallback] | None = None,
+) -> Any:
+    """A `TorchTrainer` of `loop` on the run's workers (a run's, or a profile's)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from contract.placement import worker_demand
-    from worker.train_loop import train_loop_per_worker
 
     res = spec.resources
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"spec": spec.model_dump(mode="json")},
+        loop,
+        train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=res.num_workers,
@@ -33,17 +56,14 @@ def build_trainer(spec: RunSpec) -> Any:
             storage_path=spec.storage_path,
             # Ray types FailureConfig as v1's; V2's takes controller_failure_limit.
             failure_config=FailureConfig(  # type: ignore[call-arg]
-                max_failures=spec.fault_tolerance.max_failures,
+                max_failures=max_failures,
                 # Workers not placed within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (the
                 # service's placement timeout) end the run; Ray's default retries forever.
                 controller_failure_limit=0,
             ),
-            checkpoint_config=checkpoint_config(spec, CheckpointConfig),
+            checkpoint_config=checkpoint_config,
             # Ray types `callbacks` with its v1 Callback class; V2 takes UserCallback.
-            callbacks=[
-                CheckpointRecorder(spec),  # type: ignore[list-item]
-                TrainingErrorStop(),  # type: ignore[list-item]
-            ],
+            callbacks=callbacks or [],  # type: ignore[arg-type]
         ),
     )
 
