@@ -74,9 +74,13 @@ def checkpoints_table(checkpoints: list[dict[str, Any]]) -> Table:
     )
     for c in checkpoints:
         metrics = ", ".join(f"{k}={metric_text(c, k)}" for k in sorted(c["metrics"]))
+        # The run's best checkpoint, and those keep_last deleted from storage.
+        tags = " ".join(
+            t for t in ("best" if c.get("best") else "", "pruned" if c.get("pruned") else "") if t
+        )
         table.add_row(
             str(c["step"]),
-            c["kind"],
+            f"{c['kind']} {tags}".strip(),
             str(c["attempt"]),
             c["path"],
             metrics,
@@ -113,6 +117,14 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
         console.print(f"  checkpoint {run['output']['latest_checkpoint']}")
     if run["output"]["model_path"]:
         console.print(f"  model out {run['output']['model_path']}")
+    result = run.get("result") or {}
+    if result.get("stop_reason"):
+        console.print(f"  stopped   {result['stop_reason'].replace('_', ' ')}")
+    if result.get("best_step") is not None:
+        console.print(
+            f"  best      {result['best_metric']}={result['best_value']:.6g} at step "
+            f"{result['best_step']}"
+        )
 
 
 def profile_table(report: dict[str, Any]) -> Table:

@@ -270,6 +270,7 @@ class TestControl:
         live.ray.logs_text = "line 1\nline 2\nline 3\n"
         assert live.cli("logs", run_id, "--tail", "2").stdout == "line 2\nline 3"
         live.worker_post(run_id, token, "status", {"status": "succeeded"})
+        assert "stopped   completed" in live.cli("status", run_id).stdout
         followed = live.cli("logs", run_id, "--follow", "--interval", "0.1")
         assert followed.exit_code == ExitCode.OK
         assert followed.stdout == "line 1\nline 2\nline 3\n"
