@@ -642,8 +642,11 @@ class RunSpec(RunDefinition):
     def for_attempt(
         cls, worker_fields: dict[str, Any], *, run_id: str, attempt: int, storage_path: str
     ) -> RunSpec:
+        # Webhooks are the service's to deliver, and their URLs may carry tokens: they stay
+        # out of the job, whose environment Ray's dashboard shows.
+        fields = {k: v for k, v in worker_fields.items() if k != "webhooks"}
         return cls.model_validate(
-            {**worker_fields, "run_id": run_id, "attempt": attempt, "storage_path": storage_path}
+            {**fields, "run_id": run_id, "attempt": attempt, "storage_path": storage_path}
         )
 
     @classmethod

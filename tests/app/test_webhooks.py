@@ -31,6 +31,7 @@ from app.services.webhook_delivery import WebhookDeliverer, retry_delay_s
 from app.services.webhooks import sign, verify
 from app.settings import Settings
 from app.status import RunStatus
+from contract.job_env import SPEC_ENV
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.conftest import make_api_key
 from tests.factories import run_request
@@ -156,8 +157,11 @@ def start_run(
     r = client.post("/v1/runs", json=run_request(root, webhooks=webhooks), headers=auth)
     assert r.status_code == 201, r.text
     ray = dispatch_to(ScriptedRay(), settings, session_factory)
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return r.json()["id"], {"Authorization": f"Bearer {token}"}
+    env_vars = ray.submitted[-1]["runtime_env"]["env_vars"]
+    # The URLs (which may carry tokens) stay with the service, out of the job's environment.
+    assert all(hook["url"] not in "".join(env_vars.values()) for hook in webhooks)
+    assert json.loads(env_vars[SPEC_ENV])["webhooks"] == []
+    return r.json()["id"], {"Authorization": f"Bearer {env_vars['TUNEYARD_RUN_TOKEN']}"}
 
 
 def post_status(
