@@ -57,7 +57,9 @@ class RayNode:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=30)
+            # The node's processes exit within seconds; `ray start --block` itself lingers
+            # about 30 s more holding nothing (as app/ray_head.py's stop says).
+            self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
