@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -35,7 +35,9 @@ class ExitCode(IntEnum):
     OK = 0
     RUN_FAILED = 1  # `watch` (and `submit --watch`): the run ended `failed`
     USAGE = 2  # a bad command line or an unreadable spec file
-    REFUSED = 3  # the service refused the request: invalid (422) or conflicting (409)
+    # The service refused the request: invalid (422), conflicting (409), or over the API
+    # key's max_queued_runs (429).
+    REFUSED = 3
     NOT_FOUND = 4
     RUN_CANCELLED = 5  # `watch`: the run ended `cancelled`
     UNREACHABLE = 6  # no answer from the service
@@ -90,7 +92,7 @@ def _report(exc: ApiError) -> ExitCode:
         return ExitCode.UNAUTHORIZED
     if exc.status_code == 404:
         return ExitCode.NOT_FOUND
-    if exc.status_code in (409, 413, 422):
+    if exc.status_code in (409, 413, 422, 429):
         return ExitCode.REFUSED
     return ExitCode.RUN_FAILED
 
@@ -401,12 +403,119 @@ def checkpoints(ctx: typer.Context, run_id: RunIdArg, as_json: JsonOpt = False) 
         out.print(checkpoints_table(data))
 
 
+_LIMIT_HELP = {
+    "max_running_runs": "Runs of this key live at once (more wait in the queue).",
+    "max_queued_runs": "Runs of this key queued at once (more are refused with 429).",
+    "max_gpus": "GPUs this key's live runs hold at once (more wait in the queue).",
+    "max_priority": "The highest priority this key's runs may ask for (0-100; above: 422).",
+}
+
+# The limits' options, as `keys create` and `keys update` both take them.
+MaxRunningRuns = Annotated[
+    str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP["max_running_runs"])
+]
+MaxQueuedRuns = Annotated[
+    str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP["max_queued_runs"])
+]
+MaxGpus = Annotated[str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP["max_gpus"])]
+MaxPriority = Annotated[
+    str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP["max_priority"])
+]
+
+
+def _limits(**given: str | None) -> dict[str, int | None]:
+    """The limits given on the command line: a number, or `none` for no limit."""
+    from app.services.api_keys import UNLIMITED
+
+    limits: dict[str, int | None] = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if value.strip().lower() == UNLIMITED:
+            limits[name] = None
+            continue
+        try:
+            limits[name] = int(value)
+        except ValueError:
+            flag = "--" + name.replace("_", "-")
+            raise typer.BadParameter(
+                f"{value!r} is not a whole number or 'none'", param_hint=flag
+            ) from None
+    return limits
+
+
+def _refused(exc: Exception) -> NoReturn:
+    from app.errors import ValidationFailed
+
+    if isinstance(exc, ValidationFailed):
+        for problem in exc.detail:
+            err.print(f"[red]error:[/] {problem['field']}: {problem['message']}")
+    else:
+        err.print(f"[red]error:[/] {getattr(exc, 'detail', exc)}")
+    raise typer.Exit(ExitCode.REFUSED)
+
+
 @keys_app.command("create")
-def keys_create(name: str = typer.Option(..., "--name", help="Who the key is for.")) -> None:
-    """Create an API key in the service's database and print it (it is shown only once)."""
+def keys_create(
+    name: str = typer.Option(..., "--name", help="Who the key is for."),
+    max_running_runs: MaxRunningRuns = None,
+    max_queued_runs: MaxQueuedRuns = None,
+    max_gpus: MaxGpus = None,
+    max_priority: MaxPriority = None,
+) -> None:
+    """Create an API key in the service's database and print it (it is shown only once).
+    Without a limit, the key has none."""
+    from app.errors import ValidationFailed
     from app.services.api_keys import issue_api_key
 
-    typer.echo(issue_api_key(_settings().resolved_database_url, name=name))
+    limits = _limits(
+        max_running_runs=max_running_runs,
+        max_queued_runs=max_queued_runs,
+        max_gpus=max_gpus,
+        max_priority=max_priority,
+    )
+    try:
+        secret = issue_api_key(_settings().resolved_database_url, name=name, limits=limits)
+    except ValidationFailed as exc:
+        _refused(exc)
+    typer.echo(secret)
+
+
+@keys_app.command("update")
+def keys_update(
+    key: Annotated[str, typer.Argument(help="The key's id, or the name of its one live key.")],
+    max_running_runs: MaxRunningRuns = None,
+    max_queued_runs: MaxQueuedRuns = None,
+    max_gpus: MaxGpus = None,
+    max_priority: MaxPriority = None,
+) -> None:
+    """Change a key's limits (`none` lifts one; a limit not given stays). Every service
+    replica applies them from its next scheduling pass; runs already started keep running.
+    Exit 4 if no key matches, 3 if several live keys share the name or a limit is invalid."""
+    from app.errors import Conflict, NotFound, ValidationFailed
+    from app.services.api_keys import update_api_key_in
+
+    limits = _limits(
+        max_running_runs=max_running_runs,
+        max_queued_runs=max_queued_runs,
+        max_gpus=max_gpus,
+        max_priority=max_priority,
+    )
+    try:
+        updated = update_api_key_in(_settings().resolved_database_url, ref=key, limits=limits)
+    except NotFound as exc:
+        err.print(f"[red]error:[/] {exc.detail}")
+        raise typer.Exit(ExitCode.NOT_FOUND) from None
+    except (Conflict, ValidationFailed) as exc:
+        _refused(exc)
+    out.print(f"{updated.id} ({updated.name}): {_limits_text(updated)}")
+
+
+def _limits_text(key: Any) -> str:
+    from app.services.api_keys import LIMITS
+
+    set_ = [f"{name} {getattr(key, name)}" for name in LIMITS if getattr(key, name) is not None]
+    return ", ".join(set_) or "no limits"
 
 
 @keys_app.command("list")
@@ -414,7 +523,7 @@ def keys_list(as_json: JsonOpt = False) -> None:
     """Every API key: id, name, when created, and when revoked (never the secret)."""
     from rich.table import Column, Table
 
-    from app.services.api_keys import api_keys_in
+    from app.services.api_keys import LIMITS, api_keys_in
 
     keys: list[dict[str, Any]] = [
         {
@@ -422,13 +531,20 @@ def keys_list(as_json: JsonOpt = False) -> None:
             "name": key.name,
             "created_at": key.created_at.isoformat(),
             "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
+            **{name: getattr(key, name) for name in LIMITS},
         }
         for key in api_keys_in(_settings().resolved_database_url)
     ]
     if as_json:
         _print_json(keys)
         return
-    table = Table(Column("id", no_wrap=True), "name", "created", "revoked")
+    table = Table(
+        Column("id", no_wrap=True),
+        "name",
+        "created",
+        "revoked",
+        *(Column(name.removeprefix("max_").replace("_", " "), justify="right") for name in LIMITS),
+    )
     for key in keys:
         revoked = key["revoked_at"]
         table.add_row(
@@ -436,6 +552,7 @@ def keys_list(as_json: JsonOpt = False) -> None:
             key["name"],
             _when(key["created_at"]),
             f"[red]{_when(revoked)}[/]" if revoked else "",
+            *("-" if key[name] is None else str(key[name]) for name in LIMITS),
         )
     out.print(table)
 

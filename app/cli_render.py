@@ -106,8 +106,12 @@ def print_run(console: Console, run: dict[str, Any]) -> None:
     console.print(f"  step      {step}")
     if progress.get("estimated_finish"):
         console.print(f"  finish    ~{_local_time(progress['estimated_finish'])}")
-    if run.get("queue_position"):
-        console.print(f"  queue     position {run['queue_position']}")
+    if queue := run.get("queue"):
+        console.print(
+            f"  queue     position {queue['position']}  priority {run['spec'].get('priority', 50)}"
+        )
+        if queue.get("reason"):
+            console.print(f"  waiting   {queue['reason']}")
     if metrics:
         shown = ", ".join(f"{k}={metric_text(run, k)}" for k in sorted(metrics))
         console.print(f"  metrics   {shown}")

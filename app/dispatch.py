@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.background import TickLoop
@@ -26,22 +26,33 @@ from app.db import transaction
 from app.logs import run_log
 from app.metrics import ServiceMetrics
 from app.models import Run, utcnow
-from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact, try_stop
+from app.ray_jobs import (
+    JobState,
+    RayJobs,
+    RayRejected,
+    RayUnavailable,
+    UsageNotReported,
+    redact,
+    try_stop,
+)
 from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
-from app.services import lifecycle
+from app.services import lifecycle, queue
 from app.services.lifecycle import Failure, RayVerdict
+from app.services.placement import ClusterView, placement_problems
+from app.services.queue import LIVE
 from app.services.tracking_rules import tracking_job_env
 from app.settings import Settings
 from app.status import RunStatus
 from contract.job_env import (
     CALLBACK_URL_ENV,
     CLUSTER_AUTOSCALES_ENV,
+    CONTROL_POLL_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SPEC_ENV,
     TOKEN_ENV,
 )
-from contract.run_request import RunSpec
+from contract.run_request import ResourcesSpec, RunSpec
 
 log = logging.getLogger("tuneyard")
 
@@ -51,8 +62,9 @@ JOB_PACKAGES = [str(_ROOT / "worker"), str(_ROOT / "contract")]
 ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
-LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
 MAX_RAY_BACKOFF_S = 30.0
+# How long the queue waits for a Ray that answers but has reported no node's usage yet.
+USAGE_WAIT_S = 30.0
 LOG_TAIL_LINES = 20
 _OBJECT_ID = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -97,6 +109,7 @@ def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
             # expiry end the run (Ray's default retries it forever).
             PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
             CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",
+            CONTROL_POLL_ENV: str(settings.preemption_poll_s),
             **env,
         }
     )
@@ -116,11 +129,17 @@ class Dispatcher(TickLoop):
         jobs: RayJobs,
         revive_ray: Callable[[], None] | None = None,
         metrics: ServiceMetrics | None = None,
+        cluster: ClusterView | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.session_factory = session_factory
         self.jobs = jobs
+        # The cluster's nodes (validation's view): a queued run they can never hold fails.
+        self.cluster = cluster
+        self._unplaceable_since: dict[str, float] = {}
+        self._unplaceable_last_pass: set[str] = set()
+        self._usage_unknown_since: float | None = None
         # Embedded mode: restart the local head if it died (the service owns it).
         self.revive_ray = revive_ray
         # While Ray is unreachable, queued runs wait this long between tries (doubling).
@@ -138,27 +157,40 @@ class Dispatcher(TickLoop):
     # -- dispatch ---------------------------------------------------------------------
 
     def dispatch_queued_runs(self) -> int:
-        """Oldest first, while fewer than `max_concurrent_runs` are live."""
+        """Start what the scheduler admits (app/services/scheduling.py), record why the rest
+        wait, and ask for the preemptions it decides; then submit the admitted to Ray."""
         if time.monotonic() < self._ray_retry_at:
             return 0
-        with self.session_factory() as session:
-            live = session.scalar(select(func.count()).where(Run.status.in_(LIVE))) or 0
-            free = self.settings.max_concurrent_runs - live
-            if free <= 0:
-                return 0
-            queued = list(
-                session.execute(
-                    select(Run.id, Run.queued_at)
-                    .where(Run.status == RunStatus.QUEUED)
-                    .order_by(Run.queued_at, Run.id)
-                    .limit(free)
-                ).tuples()
+        try:
+            free_nodes, reported = self._free_nodes()
+        except UsageNotReported:
+            return 0  # a head starting: its nodes are known within seconds
+        started = time.perf_counter()
+        with transaction(self.session_factory) as session:
+            admitted = queue.schedule(
+                session,
+                settings=self.settings,
+                free_nodes=free_nodes,
+                free_reported=reported,
+                now=utcnow(),
+                never_fits=self._never_fits(),
             )
+            claimed = [
+                claim
+                for run_id, queued_at in admitted
+                if (claim := self._claim(session, run_id, queued_at)) is not None
+            ]
+        if self.metrics is not None:
+            self.metrics.schedule_duration.observe(time.perf_counter() - started)
         dispatched = 0
-        for run_id, queued_at in queued:
+        for run_id, sid, runtime_env, queued_at in claimed:
             if time.monotonic() < self._ray_retry_at:
-                break  # Ray went away during this pass
-            if not self._dispatch(run_id):
+                # Ray went away during this pass: the rest go back to the queue as they were.
+                with self._locked(run_id) as (session, run):
+                    if run is not None and run.run_status == RunStatus.STARTING:
+                        lifecycle.unclaim(session, run, reason="Ray unavailable, will retry")
+                continue
+            if not self._submit(run_id, sid, runtime_env):
                 continue
             dispatched += 1
             if self.metrics is not None:
@@ -166,16 +198,77 @@ class Dispatcher(TickLoop):
                 self.metrics.dispatch_latency.observe(max(waited.total_seconds(), 0.0))
         return dispatched
 
-    def _dispatch(self, run_id: str) -> bool:
-        """True when Ray accepted the run's job."""
+    def _free_nodes(self) -> tuple[list[dict[str, float]] | None, bool]:
+        """Each node's free resources and whether Ray reported them; (None, False) when the
+        cluster is not to be judged: it autoscales (a run held back in tuneyard's queue
+        would never ask Ray for the nodes it needs), or it cannot be read at all (submitting
+        finds out, and backs off). Without Ray's report of what is taken (its monitor has
+        not reported yet, as in a head's first seconds), the nodes' totals stand in, less
+        what tuneyard's own live runs hold."""
+        if self.settings.cluster_autoscales:
+            return None, False
+        try:
+            free = self.jobs.free_resources()
+        except RayUnavailable as exc:
+            totals = self.cluster.nodes() if self.cluster is not None else None
+            if totals:
+                log.warning("dispatch: %s; judging by the nodes' totals", exc)
+                return [dict(n) for n in totals], False
+            if isinstance(exc, UsageNotReported):
+                # Ray answers and knows no node yet: a head starting. Hold the queue a while
+                # rather than start a burst of runs unjudged; a monitor that never reports
+                # (failing) must not hold it for good.
+                since = self._usage_unknown_since = self._usage_unknown_since or time.monotonic()
+                if time.monotonic() - since < USAGE_WAIT_S:
+                    raise
+            log.warning("dispatch: %s; not judging the cluster", exc)
+            return None, False
+        self._usage_unknown_since = None
+        return free, True
+
+    def _never_fits(self) -> Callable[[str, dict[str, Any]], str | None] | None:
+        """Why the cluster's nodes can never hold a queued run, once that has held for
+        TUNEYARD_PLACEMENT_TIMEOUT_S (a node lost for good, not one restarting or rejoining
+        after a head restart); None for a cluster not judged (it autoscales, or is not
+        known)."""
+        # Forget the runs that fit again, or left the queue, in the last pass.
+        self._unplaceable_since = {
+            run_id: since
+            for run_id, since in self._unplaceable_since.items()
+            if run_id in self._unplaceable_last_pass
+        }
+        self._unplaceable_last_pass = seen = set()
+        nodes = self.cluster.nodes() if self.cluster is not None else None
+        if nodes is None:
+            return None
+        now = time.monotonic()
+
+        def never_fits(run_id: str, spec: dict[str, Any]) -> str | None:
+            problems = placement_problems(
+                ResourcesSpec.model_validate(spec["resources"]),
+                nodes,
+                tensor_parallel_size=spec["deepspeed"]["tensor_parallel_size"],
+            )
+            if not problems:
+                return None
+            seen.add(run_id)
+            since = self._unplaceable_since.setdefault(run_id, now)
+            if now - since < self.settings.placement_timeout_s:
+                return None
+            del self._unplaceable_since[run_id]
+            return "; ".join(p["message"] for p in problems)
+
+        return never_fits
+
+    def _claim(
+        self, session: Session, run_id: str, queued_at: Any
+    ) -> tuple[str, str, dict[str, Any], Any] | None:
         token = new_secret("rt")
-        with transaction(self.session_factory) as session:
-            run = lifecycle.claim(session, run_id, token_hash=hash_secret(token))
-            if run is None:
-                return False  # a peer took it, or it was cancelled meanwhile
-            runtime_env = build_runtime_env(run, token=token, settings=self.settings)
-            sid = run.ray_submission_id
-        return self._submit(run_id, sid, runtime_env)  # type: ignore[arg-type]
+        run = lifecycle.claim(session, run_id, token_hash=hash_secret(token))
+        if run is None:
+            return None
+        runtime_env = build_runtime_env(run, token=token, settings=self.settings)
+        return run_id, run.ray_submission_id or "", runtime_env, queued_at
 
     def _submit(self, run_id: str, sid: str, runtime_env: dict[str, Any]) -> bool:
         run_logger = run_log(log, run_id)
@@ -243,6 +336,8 @@ class Dispatcher(TickLoop):
         ):
             job_failure = self._failure_message(seen, state)
         updated = as_utc(seen.updated_at)
+        asked = as_utc(seen.preempt_requested_at)
+        grace = timedelta(seconds=self.settings.preemption_grace_s)
         with self._locked(seen.id) as (session, run):
             if run is None or run.run_status.is_terminal():
                 return
@@ -253,6 +348,7 @@ class Dispatcher(TickLoop):
                 ray_message=state.message if state else "",
                 job_failure=job_failure,
                 submit_grace_over=bool(updated and utcnow() - updated > SUBMIT_GRACE),
+                preemption_grace_over=bool(asked and utcnow() - asked > grace),
             )
         if verdict is RayVerdict.STOP_JOB:
             try_stop(self.jobs, seen.ray_submission_id or "")

@@ -37,6 +37,13 @@ class PayloadTooLarge(TuneyardError):
     error = "payload_too_large"
 
 
+class TooManyRequests(TuneyardError):
+    """A limit on how much a caller may have at once (an API key's max_queued_runs)."""
+
+    status_code = 429
+    error = "too_many_requests"
+
+
 class Unauthorized(TuneyardError):
     """Both credentials tuneyard takes (API keys, run tokens) are bearer tokens; a 401 names
     the scheme in `WWW-Authenticate`, as RFC 9110 §11.6.1 requires of every 401."""

@@ -80,6 +80,7 @@ def create_app(
                 jobs=jobs,
                 revive_ray=revive_local_head if head is not None else None,
                 metrics=state.metrics,
+                cluster=state.cluster,
             )
             dispatcher.start()
             if settings.webhook_secret is not None:  # without one, no run has webhooks

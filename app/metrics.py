@@ -62,6 +62,13 @@ class ServiceMetrics:
             buckets=_LOOP_BUCKETS,
             registry=self.registry,
         )
+        self.schedule_duration = Histogram(
+            "tuneyard_schedule_duration_seconds",
+            "One scheduling pass over the queue: its decision and the claims it made, "
+            "under the scheduler's lock (Ray's free resources are read before it)",
+            buckets=_LOOP_BUCKETS,
+            registry=self.registry,
+        )
         self.callbacks = Counter(
             "tuneyard_callbacks",
             "Worker callbacks accepted, by kind",

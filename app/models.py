@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -19,6 +20,9 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+)
+from sqlalchemy import (
+    true as sa_true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -61,14 +65,23 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # Set by `tuneyard keys revoke`; a revoked key authenticates nothing from then on.
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The key's share of the cluster (`tuneyard keys create/update`); None: no limit.
+    # app/services/key_limits.py applies them, the scheduler (app/services/scheduling.py)
+    # the running ones.
+    max_running_runs: Mapped[int | None] = mapped_column(Integer)
+    max_queued_runs: Mapped[int | None] = mapped_column(Integer)
+    max_gpus: Mapped[int | None] = mapped_column(Integer)
+    max_priority: Mapped[int | None] = mapped_column(Integer)
 
 
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (
         Index("ix_runs_owner_created", "owner_id", "created_at"),
-        # The dispatcher's order: queued runs by when they (or their attempt) were queued.
+        # The scheduler's order: queued runs by priority, then when they (or their attempt)
+        # were queued; fair share between keys is decided in app/services/scheduling.py.
         Index("ix_runs_status_queued", "status", "queued_at"),
+        Index("ix_runs_status_priority", "status", "priority"),
         # One run per (principal, Idempotency-Key): concurrent retries cannot create two.
         UniqueConstraint("owner_id", "idempotency_key"),
     )
@@ -109,6 +122,22 @@ class Run(Base):
     )
     # When the run, or its current attempt, entered the queue: the queue's order.
     queued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The request's scheduling fields (contract/run_request.py RunRequest).
+    priority: Mapped[int] = mapped_column(Integer, default=50, server_default="50")
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=True, server_default=sa_true())
+    # What the run asks of the cluster in all (workers x per worker), for quotas and fair
+    # share without reading every queued run's spec.
+    gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # While queued: why it waits, as the scheduler's latest pass found (app/dispatch.py).
+    queue_reason: Mapped[str | None] = mapped_column(Text)
+    # When the current attempt began running (started_at is the first attempt's): how long
+    # it has run, which a preemption must respect.
+    attempt_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # While live: when the scheduler asked this attempt to checkpoint and stop, and why.
+    # The worker reads it (GET /v1/internal/runs/{id}/control). Kept while the preempted
+    # run waits in the queue again, cleared when a dispatcher claims it.
+    preempt_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    preempt_reason: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

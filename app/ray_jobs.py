@@ -28,6 +28,11 @@ class RayUnavailable(_RedactedError):
     """Ray could not be reached: try again later, the request itself may be fine."""
 
 
+class UsageNotReported(RayUnavailable):
+    """Ray answers, but its monitor has reported no node's usage yet (a head's first seconds,
+    or a monitor that is failing)."""
+
+
 class RayRejected(_RedactedError):
     """Ray answered and refused the job: trying again will not help."""
 
@@ -157,6 +162,30 @@ class RayJobs:
             {name: float(amount) for name, amount in (node.resources_total or {}).items()}
             for node in nodes
         ]
+
+    def free_resources(self, *, timeout_s: int = 5) -> list[dict[str, float]]:
+        """Each alive node's free resources now (app/cluster_usage.py says how Ray tells)."""
+        from app.cluster_usage import free_by_node
+
+        try:
+            # The job client's own request: the same address, token and TLS settings.
+            response = self._get_client()._do_request(
+                "GET", "/nodes?view=summary", timeout=timeout_s
+            )
+            response.raise_for_status()
+            data = response.json()["data"]
+        except RayUnavailable:
+            raise
+        except Exception as exc:
+            raise RayUnavailable(
+                f"cannot read the free resources of {self.display_address}: {exc}"
+            ) from exc
+        try:
+            return free_by_node(data)
+        except ValueError as exc:
+            raise UsageNotReported(
+                f"{self.display_address} reports no node's usage yet: {exc}"
+            ) from exc
 
 
 def try_stop(jobs: RayJobs, submission_id: str) -> None:

@@ -68,8 +68,21 @@ class Settings(BaseSettings):
     # A database still starting (a fresh container) gets this long to answer at start-up.
     database_wait_s: float = Field(default=60.0, ge=0)
 
-    # Runs live on Ray at once; the rest wait in the queue, oldest first.
+    # Runs live on Ray at once, at most; the rest wait in the queue, which the scheduler
+    # orders by priority, fair share between API keys and age (app/services/scheduling.py),
+    # and from which it starts only what the cluster can place now.
     max_concurrent_runs: int = Field(default=4, ge=1)
+    # Preemption: a queued run that cannot be placed may stop a running one of lower
+    # priority that asked to be preemptible. That run checkpoints at its current step and
+    # goes back to the queue; it is never stopped before its attempt has run
+    # `preemption_min_run_s` (no thrashing), and if it has not stopped
+    # `preemption_grace_s` after the request (a huge checkpoint, a stuck worker), its job is
+    # stopped and it resumes from its latest checkpoint. The worker asks whether to stop
+    # every `preemption_poll_s`.
+    preemption: bool = True
+    preemption_min_run_s: float = Field(default=600.0, ge=0)
+    preemption_grace_s: float = Field(default=900.0, gt=0)
+    preemption_poll_s: float = Field(default=5.0, gt=0)
     # Placement. False: the nodes the cluster has now are all it will have, so a run they
     # can never hold (a GPU run without GPU nodes) is refused at validation. True (an
     # autoscaling cluster): such a run is accepted and waits for nodes to be added.

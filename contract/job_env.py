@@ -18,6 +18,10 @@ PLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 # `python -m worker.profile`): JSON {"steps", "warmup_steps", "result"}, where `result` is the
 # storage location the profile's measurements go to, for the service to read back.
 PROFILE_ENV = "TUNEYARD_PROFILE"
+# Seconds between the worker's reads of GET /v1/internal/runs/{id}/control (whether the
+# scheduler asks the attempt to checkpoint now and stop: preemption); the service sets it
+# to TUNEYARD_PREEMPTION_POLL_S.
+CONTROL_POLL_ENV = "TUNEYARD_CONTROL_POLL_S"
 # What the dispatcher sets in every job: no configured job variable may replace these, and
 # nothing named TUNEYARD_* at all.
 RESERVED_PREFIX = "TUNEYARD_"
@@ -29,6 +33,7 @@ RESERVED_NAMES = frozenset(
         CLUSTER_AUTOSCALES_ENV,
         PLACEMENT_TIMEOUT_ENV,
         PROFILE_ENV,
+        CONTROL_POLL_ENV,
     }
 )
 

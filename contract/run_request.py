@@ -599,6 +599,11 @@ class RunDefinition(BaseModel):
         return RunDefinition.model_validate(spec, context={RESOLVED_SPEC: True})
 
 
+DEFAULT_PRIORITY = 50
+# A request's fields that the service keeps beside the run's definition (its own columns).
+SERVICE_FIELDS = frozenset({"metadata", "priority", "preemptible"})
+
+
 class RunRequest(RunDefinition):
     """A fine-tuning run as a client asks for it (`POST /v1/runs`)."""
 
@@ -612,10 +617,26 @@ class RunRequest(RunDefinition):
     )
 
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)
+    priority: int = Field(
+        default=DEFAULT_PRIORITY,
+        ge=0,
+        le=100,
+        description="Higher runs first. Within a priority the API key with fewer running "
+        "runs and GPUs goes first, then the oldest. An API key may be limited to a "
+        "`max_priority` (a 422 names it).",
+    )
+    preemptible: bool = Field(
+        default=True,
+        description="Whether a run of higher priority that cannot be placed may stop this "
+        "one: it saves a checkpoint at the step it is on, goes back to the queue with a "
+        "`preempted` event, and later resumes from there as a new attempt that no failure "
+        "budget counts.",
+    )
 
     def worker_fields(self) -> dict[str, Any]:
-        """The run's definition as stored (metadata is kept beside it, with the service)."""
-        return self.model_dump(mode="json", exclude={"metadata"})
+        """The run's definition as stored. Metadata and the scheduling fields are kept
+        beside it, with the service: the worker has no use for them."""
+        return self.model_dump(mode="json", exclude=set(SERVICE_FIELDS))
 
 
 class RunSpec(RunDefinition):

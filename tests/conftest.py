@@ -62,6 +62,19 @@ def drop_postgres_database(url: str) -> None:
     admin.dispose()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def venv_tools_on_path() -> Iterator[None]:
+    """This environment's bin folder first on PATH for everything the tests start, as the
+    embedded Ray head gives its jobs (app/ray_head.py). DeepSpeed JIT-builds its ops (shm
+    comm, CPU Adam) with whichever `ninja` PATH finds, and the venv's (pip's, 1.13) and the
+    system's (1.11) hash the build commands in .ninja_log differently: every switch between
+    a process started here and a job on Ray rebuilt both ops from scratch (about 75 s)
+    instead of loading them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        yield
+
+
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """One migrated PostgreSQL database for the session; tests empty it between them."""

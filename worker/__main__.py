@@ -14,6 +14,7 @@ from worker.failures import describe_failure, failure_code
 from worker.logs import configure_worker_logging
 from worker.nodes import alive_nodes, lost_nodes_note
 from worker.placement import check_before_fit
+from worker.preemption import preempted_in
 from worker.service_client import ServiceClient
 
 
@@ -45,6 +46,15 @@ def main() -> int:
         client.status("failed", error=message, code=code)
         client.close()
         return 1
+    if (preempted := preempted_in(result.metrics, attempt=spec.attempt)) is not None:
+        # The attempt saved its checkpoint and stopped because the scheduler asked: not an
+        # end of the run. The service requeues it on this event (a status would end it),
+        # and the next attempt resumes from that checkpoint. Retried as a status is; if it
+        # never arrives, the service requeues the run when it sees the job has ended.
+        log.info("preempted: %s", preempted.message)
+        client.event("preempted", preempted.message, attempts=8)
+        client.close()
+        return 0
     client.status("succeeded")
     client.close()
     return 0

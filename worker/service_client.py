@@ -1,4 +1,5 @@
-"""How the worker talks to the tuneyard service: status, metrics and checkpoints.
+"""How the worker talks to the tuneyard service: status, metrics and checkpoints, and the
+scheduler's word on whether the attempt is to stop (worker/preemption.py).
 
 Status and checkpoint posts are rare and matter, so they are sent synchronously with
 retries. Metrics are frequent, so a background thread batches them from a bounded buffer:
@@ -30,6 +31,9 @@ log = logging.getLogger("tuneyard.worker")
 # Enough for hours of per-step metrics of a handful of names; the oldest go first.
 METRICS_BUFFER_POINTS = 200_000
 METRICS_BATCH_POINTS = 2_000
+# A read of /control that takes longer is given up: the poller asks again a few seconds
+# later, and a service that is slow to answer must not hold the question up for long.
+CONTROL_TIMEOUT_S = 3.0
 
 _NONFINITE_JSON = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
@@ -56,6 +60,8 @@ class ServiceClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=10.0,
         )
+        # Whether the last read of /control failed (see `control`).
+        self._control_failing = False
 
     @classmethod
     def from_env(cls, *, run_id: str, attempt: int) -> ServiceClient:
@@ -117,6 +123,44 @@ class ServiceClient:
 
     def event(self, type: str, message: str, *, attempts: int = 5) -> bool:
         return self.post("/events", {"type": type, "message": message}, attempts=attempts)
+
+    def control(self) -> dict[str, Any] | None:
+        """The scheduler's word on this attempt: `{"preempt": false}` or `{"preempt": true,
+        "reason": "..."}`; None when it cannot be read (unreachable, slow, refused: 409 once
+        the attempt is over, an answer of another shape).
+
+        One try with a short timeout, and nothing raised: the caller is a poller that asks
+        again soon, beside a training step that must never wait for the answer or fail
+        because of it. Only a change between readable and unreadable is logged, so a
+        service that is down for an hour writes two lines, not one per poll.
+        """
+        try:
+            response = self._http.get(
+                "/control", params={"attempt": self.attempt}, timeout=CONTROL_TIMEOUT_S
+            )
+            answer = response.json() if response.status_code == 200 else None
+        # Any error, not only httpx's: the client may be closed under a poller that is
+        # ending (RuntimeError), and a body may be no JSON (ValueError).
+        except Exception as exc:
+            self._control_unread(f"reading /control failed: {exc}")
+            return None
+        if response.status_code != 200:
+            self._control_unread(
+                f"service refused /control: {response.status_code} {response.text[:300]}"
+            )
+            return None
+        if not isinstance(answer, dict) or not isinstance(answer.get("preempt"), bool):
+            self._control_unread(f"unexpected answer from /control: {answer!r:.300}")
+            return None
+        if self._control_failing:
+            log.info("/control answers again")
+            self._control_failing = False
+        return answer
+
+    def _control_unread(self, why: str) -> None:
+        if not self._control_failing:
+            log.warning("%s (further failures are not logged until it answers)", why)
+            self._control_failing = True
 
     def close(self) -> None:
         self._http.close()

@@ -22,6 +22,7 @@ from worker.jit_lock import clear_stale_jit_locks
 from worker.logs import configure_worker_logging
 from worker.metrics import MetricSinks
 from worker.nodes import check_worker_nodes
+from worker.preemption import Preemption
 from worker.remote_sources import with_local_sources
 
 log = logging.getLogger("tuneyard.worker")
@@ -37,14 +38,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
     place_rank(spec, local_world_size=context.get_local_world_size())
     sinks = MetricSinks(spec, rank=rank)
+    # Rank 0 asks the service, from now on, whether the scheduler wants the attempt to
+    # stop; every rank votes on it at each step boundary (worker/preemption.py).
+    preemption = Preemption(attempt=spec.attempt, client=sinks.client, group=sinks.group)
     # With "engine_ready" below: when each start-up stage ended, as events on the service's
     # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
     sinks.event("worker_started", f"training workers started ({spec.resources.num_workers})")
     try:
         check_worker_nodes(spec, rank=rank, post_event=sinks.event)
         # An upload or an earlier run's export in object storage: read from local disk.
-        _train(with_local_sources(spec), rank=rank, sinks=sinks)
+        _train(with_local_sources(spec), rank=rank, sinks=sinks, preemption=preemption)
     finally:
+        preemption.close()
         sinks.close()
     # Only after success: a rank that raised must not wait in a barrier its peers, stuck in
     # the step's collective, never reach. It returns its error at once, and Ray Train ends
@@ -171,7 +176,7 @@ def model_hidden_size(spec: RunSpec) -> int | None:
     return hidden_size_of(AutoConfig.from_pretrained(spec.model).to_dict())
 
 
-def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
+def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preemption) -> None:
     from worker.evaluation import evaluate
 
     setup_started = time.perf_counter()
@@ -210,7 +215,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             sinks.log_eval(metrics, step=at)
             watch.observe(metrics, step=at)
 
-    def checkpoint(at: int) -> None:
+    def checkpoint(at: int, *, marker: dict[str, Any] | None = None) -> None:
         nonlocal saved_at
         sinks.flush()
         save_and_report_checkpoint(
@@ -218,7 +223,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
             spec,
             step=at,
             epoch=plan.epoch_at(at),
-            metrics=sinks.latest,
+            metrics={**sinks.latest, **(marker or {})},
             watch=watch.state_dict(),
         )
         saved_at = at
@@ -226,6 +231,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
     batches = batches_from(plan, data.train, step)
     tr = spec.training
     tokens_since_log = 0
+    preempted = False
     while step < plan.total_steps and watch.state.stopped is None:
         logged = (step + 1) % tr.log_every_n_steps == 0 or step + 1 == plan.total_steps
         if logged:
@@ -245,26 +251,48 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks) -> None:
         tokens_since_log += result.tokens
         if logged:
             _synchronize(training.device)
+        elapsed = time.perf_counter() - started
+        # Once per optimizer step, on every rank alike. The last step is never preempted:
+        # the run ends there anyway.
+        asked = step < plan.total_steps and preemption.agreed()
+        if logged or asked:
+            # A step the attempt may stop at is logged even off the logging grid, so that
+            # `tokens` (summed since the last logged step) loses no step.
             sinks.log_step(
                 engine,
                 step=step,
                 epoch=plan.epoch_at(step),
-                elapsed=time.perf_counter() - started,
+                elapsed=elapsed,
                 result=result,
                 total_steps=plan.total_steps,
                 tokens_since_log=tokens_since_log,
             )
             tokens_since_log = 0
-        if tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps:
+        evaluated = bool(
+            tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps
+        )
+        if evaluated:
+            # Before a preemption's checkpoint too, as an uninterrupted run evaluates here.
             run_eval(step)
-            if watch.active:
-                # A ranked evaluation keeps its weights: the best checkpoint is one of these,
-                # and a stop decided here resumes as a stop.
-                checkpoint(step)
+        # An early stop decided at this step ends the run here, export and all: nothing
+        # would be left to resume.
+        preempted = asked and watch.state.stopped is None
         every = spec.checkpointing.every_n_steps
-        if every and step % every == 0 and step < plan.total_steps and saved_at != step:
-            checkpoint(step)
+        periodic = bool(every and step % every == 0 and step < plan.total_steps)
+        # One checkpoint per step at most: a ranked evaluation's, which keeps its weights
+        # (the best checkpoint is one of these, and a stop decided here resumes as a stop),
+        # a periodic one, or the preemption's. That one carries the marker the driver reads,
+        # and is Ray Train's latest, where the next attempt resumes.
+        if preempted or (evaluated and watch.active) or (periodic and saved_at != step):
+            checkpoint(step, marker=preemption.marker() if preempted else None)
+        if preempted:
+            break
 
+    if preempted:
+        # The attempt ends here, without a final evaluation or an export, and without
+        # "succeeded": the driver tells the service, which requeues the run.
+        log.info("stopped at step %d for the scheduler; checkpoint saved", step)
+        return
     if watch.state.stopped is not None:
         if sinks.client is not None:
             # Retried, unlike informational events: the run's result is made of it.

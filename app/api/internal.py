@@ -5,15 +5,16 @@ from __future__ import annotations
 import functools
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Security
+from fastapi import APIRouter, Depends, Query, Request, Security
 
 from app.api.deps import MetricsDep, SessionDep, bearer_token, run_in_read_session
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
-from app.services import callbacks, run_result
+from app.services import callbacks, lifecycle, run_result
 from app.services.lifecycle import record_event
 from app.services.webhooks import enqueue_webhooks
+from contract.bounds import INT32_MAX
 
 
 async def verified_token(run_id: str, request: Request) -> str:
@@ -112,6 +113,12 @@ def post_event(
     run = callbacks.authorize_worker(
         session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
     )
+    if body.type == "preempted" and lifecycle.preempting(run):
+        # The worker saved its checkpoint and is stopping: the run goes back to the queue.
+        lifecycle.requeue_preempted(session, run, how=f"the worker said: {body.message}")
+        session.flush()
+        metrics.callbacks.labels("event").inc()
+        return {"id": None}
     event = record_event(session, run, type=body.type, message=body.message)
     if body.type == "early_stopped":
         run_result.record_early_stop(run, body.message)
@@ -121,3 +128,22 @@ def post_event(
     session.flush()
     metrics.callbacks.labels("event").inc()
     return {"id": event.id}
+
+
+@router.get(
+    "/{run_id}/control",
+    summary="Worker: whether the scheduler asks this attempt to checkpoint and stop",
+    responses=_errors,
+)
+def get_control(
+    run_id: str,
+    attempt: Annotated[int, Query(ge=1, le=INT32_MAX)],
+    token_hash: VerifiedToken,
+    session: SessionDep,
+) -> dict:
+    """Polled by the attempt's worker (every TUNEYARD_PREEMPTION_POLL_S): when preempted, it
+    saves a checkpoint at the step it is on, stops, and posts the `preempted` event."""
+    run = callbacks.authorize_worker(session, run_id=run_id, token_hash=token_hash, attempt=attempt)
+    if lifecycle.preempting(run):
+        return {"preempt": True, "reason": run.preempt_reason or ""}
+    return {"preempt": False}

@@ -50,6 +50,7 @@ from app.services import (
     lifecycle,
     model_download,
     profiles,
+    queue,
     run_data,
     run_logs,
     run_stream,
@@ -97,7 +98,9 @@ Cursor = Annotated[
                 400: _UNREADABLE_BODY,
                 401: _UNAUTHORIZED,
                 409: "The Idempotency-Key was used with a different body",
-                422: "The request breaks a rule; `detail` names each field and rule",
+                422: "The request breaks a rule; `detail` names each field and rule (a "
+                "`priority` above the API key's max_priority, more GPUs than its max_gpus)",
+                429: "The API key has max_queued_runs runs queued already",
             }
         ),
     },
@@ -210,7 +213,15 @@ def list_runs(
     request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
-    status_filter: Annotated[RunStatus | None, Query(alias="status")] = None,
+    status_filter: Annotated[
+        RunStatus | None,
+        Query(
+            alias="status",
+            description="Only runs in this status. `queued` lists them in the order the "
+            "scheduler will take them (priority, fair share between API keys, age); "
+            "every other listing is newest first.",
+        ),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=runs.MAX_PAGE)] = 20,
     cursor: Cursor = None,
 ) -> RunList:
@@ -227,7 +238,7 @@ def list_runs(
         limit=limit,
         cursor=cursor,
     )
-    positions = runs.queue_positions(session, rows)
+    positions = queue.queue_positions(session, rows)
     return RunList(
         data=[RunView.of(r, queue_position=positions.get(r.id)) for r in rows],
         next_cursor=next_cursor,
@@ -334,7 +345,15 @@ def cancel_run(
     "/{run_id}/resume",
     response_model=RunView,
     summary="Resume a failed or cancelled run from its latest checkpoint",
-    responses={**_errors, **error_responses({409: "The run is not failed or cancelled"})},
+    responses={
+        **_errors,
+        **error_responses(
+            {
+                409: "The run is not failed or cancelled",
+                429: "The API key has max_queued_runs runs queued already",
+            }
+        ),
+    },
 )
 def resume_run(
     run_id: RunId,

@@ -133,6 +133,12 @@ class RunFields(Protocol):
     def latest_checkpoint(self) -> str | None: ...
     @property
     def result(self) -> dict[str, Any] | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def preemptible(self) -> bool: ...
+    @property
+    def queue_reason(self) -> str | None: ...
 
 
 class ProgressView(BaseModel):
@@ -184,6 +190,22 @@ class ResultView(BaseModel):
         return cls(**{k: v for k, v in stored.items() if k in cls.model_fields})
 
 
+class QueueView(BaseModel):
+    """Where a queued run stands (app/services/scheduling.py has the rules)."""
+
+    position: int | None = Field(
+        description="1: the next run the scheduler takes when the cluster has room. The "
+        "order is priority, then fair share between API keys, then age."
+    )
+    reason: str | None = Field(
+        description="Why it waits, as the scheduler's latest pass found: e.g. `waiting for "
+        "cluster resources (needs 4 GPUs, 2 free)`, `waiting for quota (2 of 2 running, "
+        "max_running_runs)`, `behind higher priority (...)`, and for a preempted run until "
+        "it starts again `preempted (resumes from step N): ` and why it waits now. Null "
+        "before its first pass."
+    )
+
+
 class RunView(BaseModel):
     object: str = "run"
     id: str
@@ -206,8 +228,11 @@ class RunView(BaseModel):
     output: OutputView
     result: ResultView = Field(default_factory=ResultView)
     metadata: dict[str, str]
-    # Only while queued: 1 means it is dispatched next.
+    # Only while queued: 1 means it is dispatched next (as `queue.position`).
     queue_position: int | None = None
+    queue: QueueView | None = Field(
+        default=None, description="Only while queued: its place and why it waits."
+    )
 
     @classmethod
     def of(cls, run: RunFields, *, queue_position: int | None = None) -> RunView:
@@ -227,7 +252,12 @@ class RunView(BaseModel):
             created_at=as_utc(run.created_at),
             started_at=as_utc(run.started_at),
             finished_at=as_utc(run.finished_at),
-            spec={**run.spec, "metadata": run.run_metadata},
+            spec={
+                **run.spec,
+                "metadata": run.run_metadata,
+                "priority": run.priority,
+                "preemptible": run.preemptible,
+            },
             progress=ProgressView(
                 step=run.step,
                 total_steps=run.total_steps,
@@ -247,6 +277,9 @@ class RunView(BaseModel):
             result=ResultView.of(run.result),
             metadata=run.run_metadata,
             queue_position=queue_position,
+            queue=QueueView(position=queue_position, reason=run.queue_reason)
+            if run.status == "queued"
+            else None,
         )
 
 

@@ -3,25 +3,68 @@ revoked by one (`tuneyard keys revoke`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import NamedTuple, cast
 
 from sqlalchemy import Connection, Table, bindparam, select
 from sqlalchemy.orm import Session
 
-from app.errors import Conflict, NotFound
+from app.errors import Conflict, NotFound, ValidationFailed, field_problem
 from app.models import ApiKey, new_id, utcnow
 from app.security import hash_secret, new_secret
 
+# A key's share of the cluster (app/services/queue.py and scheduling.py apply them); None
+# is no limit. `tuneyard keys create/update` set them.
+LIMITS = ("max_running_runs", "max_queued_runs", "max_gpus", "max_priority")
+# An update's value that lifts a limit.
+UNLIMITED = "none"
 
-def create_api_key(session: Session, *, name: str) -> tuple[ApiKey, str]:
+
+def limit_problems(limits: Mapping[str, int | None]) -> list[dict[str, str]]:
+    """What is wrong with these limits, each naming its limit; [] when nothing is."""
+    problems = []
+    for name, value in limits.items():
+        if name not in LIMITS:
+            problems.append(field_problem(name, f"not a limit; the limits are {', '.join(LIMITS)}"))
+        elif value is None:
+            continue
+        elif name == "max_priority" and not 0 <= value <= 100:
+            problems.append(
+                field_problem(name, f"must be within 0..100, as a priority is; not {value}")
+            )
+        elif value < 0:
+            problems.append(field_problem(name, f"must be 0 or more, not {value}"))
+    return problems
+
+
+def _set_limits(key: ApiKey, limits: Mapping[str, int | None]) -> None:
+    if problems := limit_problems(limits):
+        raise ValidationFailed(problems)
+    for name, value in limits.items():
+        setattr(key, name, value)
+
+
+def create_api_key(
+    session: Session, *, name: str, limits: Mapping[str, int | None] | None = None
+) -> tuple[ApiKey, str]:
     """The stored key and its secret; the secret is not kept and cannot be shown again."""
     secret = new_secret("ty")
     key = ApiKey(id=new_id("key"), name=name, key_hash=hash_secret(secret))
+    _set_limits(key, limits or {})
     session.add(key)
     session.flush()
     return key, secret
+
+
+def update_api_key(session: Session, *, ref: str, limits: Mapping[str, int | None]) -> ApiKey:
+    """Change the limits named in `limits` (None lifts one) of the key with this id, or of
+    the one live key with this name. Runs already queued or running stay; the scheduler
+    applies the new limits from its next pass, in every replica."""
+    key = _find_key(session, ref)
+    _set_limits(key, limits)
+    session.flush()
+    return key
 
 
 class LiveKey(NamedTuple):
@@ -54,6 +97,15 @@ def list_api_keys(session: Session) -> list[ApiKey]:
 def revoke_api_key(session: Session, *, ref: str) -> ApiKey:
     """Revoke the key with this id, or else the one live key with this name. Revoking a
     revoked key changes nothing (its first revocation time stays)."""
+    key = _find_key(session, ref)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def _find_key(session: Session, ref: str) -> ApiKey:
+    """The key with this id, or else the one live key with this name, locked."""
     key = session.get(ApiKey, ref, with_for_update=True)
     if key is None:
         named = list(
@@ -67,11 +119,8 @@ def revoke_api_key(session: Session, *, ref: str) -> ApiKey:
             raise NotFound(f"no API key with the id or live key with the name {ref!r}")
         if len(named) > 1:
             ids = ", ".join(k.id for k in named)
-            raise Conflict(f"{len(named)} live keys are named {ref!r} ({ids}): revoke one by id")
+            raise Conflict(f"{len(named)} live keys are named {ref!r} ({ids}): name one by id")
         key = named[0]
-    if key.revoked_at is None:
-        key.revoked_at = utcnow()
-        session.flush()
     return key
 
 
@@ -91,11 +140,19 @@ def _database(database_url: str) -> Iterator[Session]:
         engine.dispose()
 
 
-def issue_api_key(database_url: str, *, name: str) -> str:
+def issue_api_key(
+    database_url: str, *, name: str, limits: Mapping[str, int | None] | None = None
+) -> str:
     """A new key's secret (`tuneyard keys create`, the demo)."""
     with _database(database_url) as session:
-        _, secret = create_api_key(session, name=name)
+        _, secret = create_api_key(session, name=name, limits=limits)
     return secret
+
+
+def update_api_key_in(database_url: str, *, ref: str, limits: Mapping[str, int | None]) -> ApiKey:
+    """`tuneyard keys update`."""
+    with _database(database_url) as session:
+        return update_api_key(session, ref=ref, limits=limits)
 
 
 def api_keys_in(database_url: str) -> list[ApiKey]:

@@ -105,8 +105,17 @@ def _move(
         run.error_message = None
         run.ray_submission_id = None
         run.callback_token_hash = None
-    if new == RunStatus.RUNNING and run.started_at is None:
-        run.started_at = now
+        run.attempt_started_at = None
+    if new_attempt or new.is_terminal():
+        # A preemption asked of the attempt that ended is over with it.
+        run.preempt_requested_at = None
+        run.preempt_reason = None
+    if new != RunStatus.QUEUED:
+        run.queue_reason = None
+    if new == RunStatus.RUNNING:
+        run.attempt_started_at = run.attempt_started_at or now
+        if run.started_at is None:
+            run.started_at = now
     if new == RunStatus.SUCCEEDED:
         run_result.record_success(run)
     if new.is_terminal():
@@ -139,7 +148,13 @@ def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
     claimed = session.execute(
         update(Run)
         .where(Run.id == run_id, Run.status == RunStatus.QUEUED)
-        .values(status=RunStatus.STARTING, callback_token_hash=token_hash)
+        .values(
+            status=RunStatus.STARTING,
+            callback_token_hash=token_hash,
+            queue_reason=None,
+            preempt_requested_at=None,
+            preempt_reason=None,
+        )
         .execution_options(synchronize_session=False)
     )
     if claimed.rowcount != 1:  # type: ignore[attr-defined]
@@ -265,6 +280,60 @@ def request_cancel(session: Session, run: Run) -> str | None:
     return run.ray_submission_id
 
 
+def request_preemption(session: Session, run: Run, *, reason: str) -> None:
+    """Ask a live run's attempt to save a checkpoint at the step it is on and stop. Its
+    worker reads this (GET /v1/internal/runs/{id}/control); the run is queued again when
+    the worker says it stopped or its job ends (`requeue_preempted`)."""
+    if run.run_status not in (RunStatus.STARTING, RunStatus.RUNNING) or run.preempt_requested_at:
+        return
+    run.preempt_requested_at = utcnow()
+    run.preempt_reason = reason
+    record_event(
+        session,
+        run,
+        type="message",
+        message=f"preemption requested: {reason}; the attempt saves a checkpoint and stops",
+    )
+
+
+def preempting(run: Run) -> bool:
+    return run.preempt_requested_at is not None and run.run_status in (
+        RunStatus.STARTING,
+        RunStatus.RUNNING,
+    )
+
+
+def requeue_preempted(session: Session, run: Run, *, how: str) -> None:
+    """A preempted attempt stopped: back to the queue as a new attempt that resumes from
+    its latest checkpoint, the one taken as it stopped. A preemption is the scheduler's
+    doing, not a failure, so no failure budget counts it (`resubmits` stays)."""
+    reason = run.preempt_reason or "the scheduler needed its resources"
+    asked = run.preempt_requested_at or utcnow()
+    if run.run_status == RunStatus.STARTING:
+        _move(session, run, RunStatus.RUNNING, message="the worker had started")
+    step = run.step
+    record_event(session, run, type="preempted", message=f"preempted at step {step}: {reason}")
+    _move(
+        session,
+        run,
+        RunStatus.QUEUED,
+        new_attempt=True,
+        message=f"preempted ({how}); attempt {run.attempt + 1} resumes from the checkpoint "
+        f"at step {step}",
+    )
+    run.queue_reason = preempted_reason(step, reason)
+    # Kept while it waits (until a dispatcher claims it): the scheduler reads it as "was
+    # preempted", for its reasons and because the old job may still hold what it is
+    # releasing (app/services/queue.py).
+    run.preempt_requested_at, run.preempt_reason = asked, reason
+
+
+def preempted_reason(step: int, why: str) -> str:
+    """A preempted run's queue reason until it starts again: why it was stopped, then why
+    it waits."""
+    return f"preempted (resumes from step {step}): {why}"
+
+
 def resume(session: Session, run: Run) -> None:
     """A failed or cancelled run starts a new attempt under the same Ray Train storage name,
     so Ray Train picks up its latest checkpoint and the step count continues. It joins the
@@ -309,15 +378,15 @@ def apply_worker_status(
             message=f"the worker stopped: {failure.message if failure else ''}",
         )
         return
-    # An attempt started because the last one was lost (a node died) that finds no room:
-    # the loss is why, and the user must read it in the run's error.
-    if (
-        status == RunStatus.FAILED
-        and failure is not None
-        and failure.code == "unplaceable"
-        and (lost := _loss_behind_attempt(session, run)) is not None
-    ):
-        failure = Failure(failure.code, f"{lost}; then attempt {run.attempt}: {failure.message}")
+    if status == RunStatus.FAILED and failure is not None and failure.code == "unplaceable":
+        failure = _unplaceable(session, run, failure.message)
+    if status == RunStatus.FAILED and preempting(run):
+        # Stopped for the scheduler (its grace ran out and the job was stopped), or failed
+        # on its way out: either way it goes back to the queue from its latest checkpoint.
+        requeue_preempted(
+            session, run, how=f"the attempt ended: {failure.message if failure else 'failed'}"
+        )
+        return
     if status == RunStatus.FAILED and failure is not None and failure.code == "cluster_error":
         # Ray failed under the run (the head or a node went away), not the training.
         requeue_or_fail(
@@ -327,6 +396,21 @@ def apply_worker_status(
         )
         return
     _move(session, run, status, message=message, failure=failure)
+
+
+def _unplaceable(session: Session, run: Run, message: str) -> Failure:
+    """Why the run cannot be placed. An attempt started because the last one was lost (a
+    node died) that finds no room: the loss is why, and the user must read it in the error."""
+    if (lost := _loss_behind_attempt(session, run)) is not None:
+        message = f"{lost}; then attempt {run.attempt}: {message}"
+    return Failure("unplaceable", message)
+
+
+def fail_unplaceable(session: Session, run: Run, *, message: str) -> None:
+    """A queued run the cluster's nodes can no longer ever hold (a node left a cluster that
+    does not autoscale): it fails now, as validation would refuse it, rather than waiting
+    for room that will not come. A resume once nodes are back goes on from its checkpoint."""
+    settle(session, run, RunStatus.FAILED, failure=_unplaceable(session, run, message))
 
 
 class RayVerdict(enum.Enum):
@@ -345,10 +429,16 @@ def apply_ray_state(
     ray_message: str = "",
     job_failure: str = "",
     submit_grace_over: bool = False,
+    preemption_grace_over: bool = False,
 ) -> RayVerdict:
     """Settle what callbacks missed, from Ray's view of the run's job (`ray_status` is
     Ray's JobStatus, None when Ray has never heard of the job)."""
     cancelling = run.run_status == RunStatus.CANCELLING
+    if preempting(run) and ray_status in (None, "FAILED", "STOPPED", "SUCCEEDED"):
+        # The job ended while asked to stop; the worker's own word was lost, or it never
+        # got to say it. (A run that trained its last step first said "succeeded".)
+        requeue_preempted(session, run, how=f"its Ray job is {ray_status or 'gone'}")
+        return RayVerdict.NOTHING
     if ray_status is None:
         if run.run_status == RunStatus.STARTING:
             # Never submitted (the service died before submitting), or not yet.
@@ -377,5 +467,15 @@ def apply_ray_state(
         # The entry point exits 0 only after training and export finished.
         settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
     elif cancelling:
+        return RayVerdict.STOP_JOB
+    elif preempting(run) and preemption_grace_over:
+        record_event(
+            session,
+            run,
+            type="message",
+            message="the attempt did not stop within the preemption grace period "
+            "(TUNEYARD_PREEMPTION_GRACE_S): stopping its Ray job; it resumes from its latest "
+            "checkpoint",
+        )
         return RayVerdict.STOP_JOB
     return RayVerdict.NOTHING

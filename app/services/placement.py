@@ -88,21 +88,26 @@ class ClusterView:
         return self._nodes
 
     def _read_in_background(self) -> None:
-        nodes = self._read()
+        nodes, settled = self._read()
         with self._lock:
-            self._nodes, self._read_at, self._reading = nodes, self._clock(), None
+            self._nodes, self._reading = nodes, None
+            # A cluster still starting is asked again at once, not after the TTL: the
+            # dispatcher judges runs by it, and a head's first seconds are when a burst of
+            # runs would otherwise all be started unjudged.
+            self._read_at = self._clock() if settled else None
 
-    def _read(self) -> list[dict[str, float]] | None:
+    def _read(self) -> tuple[list[dict[str, float]] | None, bool]:
+        """The nodes (None: not to be judged), and whether that answer holds for the TTL."""
         try:
             nodes = self._read_nodes()
         except RayUnavailable as exc:
             log.warning("placement not checked: %s", exc)
-            return None
+            return None, True
         except Exception:  # validation must never fail because the cluster view did
             log.exception("placement not checked: reading the cluster's nodes failed")
-            return None
+            return None, True
         # A cluster with no alive node at all is one still starting: judge nothing by it.
-        return nodes or None
+        return nodes or None, bool(nodes)
 
     def problems(self, res: ResourcesSpec, *, tensor_parallel_size: int = 1) -> list[Problem]:
         """`placement_problems` against the cluster's current nodes, or [] when they are

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
-from sqlalchemy import ColumnElement, and_, bindparam, exists, func, inspect, or_, select
+from sqlalchemy import ColumnElement, Select, and_, bindparam, exists, func, inspect, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -27,7 +27,7 @@ from app.errors import (
 from app.models import Run, new_id
 from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
-from app.services import estimates, lifecycle
+from app.services import estimates, lifecycle, queue
 from app.services.placement import ClusterView
 from app.services.run_rules import check_run_request
 from app.status import RunStatus
@@ -63,6 +63,8 @@ def create_run(
         )
     if checked.problems:
         raise ValidationFailed(checked.problems)
+    gpus = queue.asked_gpus(checked.spec)
+    queue.check_submission(session, owner_id=owner_id, priority=request.priority, gpus=gpus)
     run = Run(
         id=new_id("run"),
         owner_id=owner_id,
@@ -74,6 +76,9 @@ def create_run(
         latest_metrics={},
         idempotency_key=idempotency_key,
         request_hash=request_hash,
+        priority=request.priority,
+        preemptible=request.preemptible,
+        gpus=gpus,
     )
     try:
         # A savepoint: if a concurrent request with the same key won, only this insert undoes.
@@ -128,6 +133,17 @@ def validate_run_request(
                 request.resources, tensor_parallel_size=request.deepspeed.tensor_parallel_size
             )
         )
+    if not checked.problems:
+        try:
+            queue.check_submission(
+                session,
+                owner_id=owner_id,
+                priority=request.priority,
+                gpus=queue.asked_gpus(checked.spec),
+                queuing=False,
+            )
+        except ValidationFailed as exc:
+            checked.problems.extend(exc.detail)
     if checked.problems:
         return RequestValidation(
             ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
@@ -205,17 +221,51 @@ def list_runs(
     dialect = session.get_bind().dialect.name
     for key, value in metadata.items():
         query = query.where(_metadata_equals(dialect, key, value))
-    if cursor:
+    if cursor and status != RunStatus.QUEUED:
         created_at, run_id = _decode_cursor(cursor)
         query = query.where(
             or_(Run.created_at < created_at, and_(Run.created_at == created_at, Run.id < run_id))
         )
     limit = max(1, min(limit, MAX_PAGE))
+    if status == RunStatus.QUEUED:
+        return _list_queue(session, query, limit=limit, cursor=cursor)
     rows = list(
         session.scalars(query.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1))
     )
     next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor
+
+
+def _list_queue(
+    session: Session, query: Select[Any], *, limit: int, cursor: str | None
+) -> tuple[list[Run], str | None]:
+    """The caller's queued runs in the order the scheduler will take them. The cursor is
+    the place after the page's last run: a queue's order changes as runs start, so a later
+    page is the queue as it is by then."""
+    offset = _decode_offset(cursor) if cursor else 0
+    mine = {run.id: run for run in session.scalars(query)}
+    ordered = [mine[q.id] for q in queue.ordered_queue(session) if q.id in mine]
+    page = ordered[offset : offset + limit]
+    more = len(ordered) > offset + limit
+    return page, _encode_offset(offset + limit) if more else None
+
+
+def _encode_offset(offset: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps(["queue", offset]).encode()).decode()
+
+
+def _decode_offset(cursor: str) -> int:
+    try:
+        kind, offset = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        if kind != "queue" or not isinstance(offset, int) or isinstance(offset, bool):
+            raise ValueError("not a queue cursor")
+        if offset < 0:
+            raise ValueError("not a queue cursor")
+        return offset
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValidationFailed(
+            [{"field": "cursor", "message": "cursor is not one this service issued"}]
+        ) from exc
 
 
 _METADATA_KEY: TypeAdapter[str] = TypeAdapter(MetadataKey)
@@ -268,26 +318,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 def queue_position(session: Session, run: RunFields) -> int | None:
     """1 for the next run to dispatch; None once it left the queue."""
-    return queue_positions(session, [run]).get(run.id)
-
-
-def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, int]:
-    """The queued ones among `runs` by id, each with its place in the dispatcher's order
-    (when the run, or its current attempt, was queued). One query for a whole page: a count
-    per run made listing a long queue the service's most expensive read."""
-    ids = [r.id for r in runs if r.status == RunStatus.QUEUED]
-    if not ids:
-        return {}
-    ranked = (
-        select(
-            Run.id,
-            func.row_number().over(order_by=(Run.queued_at, Run.id)).label("position"),
-        )
-        .where(Run.status == RunStatus.QUEUED)
-        .subquery()
-    )
-    rows = session.execute(select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_(ids)))
-    return {run_id: int(position) for run_id, position in rows}
+    return queue.queue_positions(session, [run]).get(run.id)
 
 
 def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
@@ -306,4 +337,9 @@ def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
                 f"run {run.id} reads dataset.{key} {path!r}, which no longer exists (an "
                 "uploaded file deleted since?); create a new run with the data"
             )
+    if run.run_status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        # (Any other status is refused by lifecycle.resume with 409, before any limit.)
+        queue.check_submission(
+            session, owner_id=run.owner_id or "", priority=run.priority, gpus=run.gpus
+        )
     lifecycle.resume(session, run)

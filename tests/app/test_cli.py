@@ -375,3 +375,115 @@ class TestKeys:
         assert again[1]["created_at"][:19].replace("T", " ") in lines["alice"]
         assert lines["alice"].count(":") == 2  # created, and no revoked time
         assert again[0]["revoked_at"] is not None and again[1]["revoked_at"] is None
+
+
+class TestKeyLimits:
+    """`tuneyard keys create/update/list` with an API key's share of the cluster."""
+
+    LIMITS = ("max_running_runs", "max_queued_runs", "max_gpus", "max_priority")
+
+    @pytest.fixture
+    def settings(self, tmp_path: Path, database_url: str) -> Settings:
+        # Only the database matters to these commands: no model, no server.
+        return Settings(home=tmp_path, database_url=database_url)
+
+    def keys(self, settings: Settings, *args: str) -> Any:
+        env = {"TUNEYARD_DATABASE_URL": settings.resolved_database_url, "COLUMNS": "200"}
+        return CliRunner().invoke(app, ["keys", *args], env=env, catch_exceptions=False)
+
+    def listed(self, settings: Settings) -> dict[str, dict[str, Any]]:
+        result = self.keys(settings, "list", "--json")
+        assert result.exit_code == ExitCode.OK, result.stderr
+        return {
+            k["name"]: {n: k[n] for n in ("id", *self.LIMITS)} for k in json.loads(result.stdout)
+        }
+
+    def test_create_with_limits_and_list_shows_them(self, settings: Settings) -> None:
+        created = self.keys(
+            settings,
+            "create",
+            "--name",
+            "sweeps",
+            "--max-running-runs",
+            "2",
+            "--max-queued-runs",
+            "20",
+            "--max-gpus",
+            "8",
+            "--max-priority",
+            "60",
+        )
+        assert created.exit_code == ExitCode.OK, created.stderr
+        assert created.stdout.strip().startswith("ty")  # the secret, shown once
+        self.keys(settings, "create", "--name", "on-call")
+
+        keys = self.listed(settings)
+        assert {n: keys["sweeps"][n] for n in self.LIMITS} == {
+            "max_running_runs": 2,
+            "max_queued_runs": 20,
+            "max_gpus": 8,
+            "max_priority": 60,
+        }
+        assert all(keys["on-call"][n] is None for n in self.LIMITS)
+
+        table = self.keys(settings, "list").stdout
+        for column in ("running runs", "queued runs", "gpus", "priority"):
+            assert column in table
+        cells = {
+            name: [cell.strip() for cell in line.split("│")[-5:-1]]
+            for line in table.splitlines()
+            for name in ("sweeps", "on-call")
+            if name in line
+        }
+        assert cells == {"sweeps": ["2", "20", "8", "60"], "on-call": ["-", "-", "-", "-"]}
+
+    def test_update_changes_only_the_limits_given_and_none_lifts_one(
+        self, settings: Settings
+    ) -> None:
+        self.keys(settings, "create", "--name", "sweeps", "--max-gpus", "8", "--max-priority", "60")
+        key_id = self.listed(settings)["sweeps"]["id"]
+
+        updated = self.keys(settings, "update", "sweeps", "--max-running-runs", "3")
+        assert updated.exit_code == ExitCode.OK, updated.stderr
+        assert f"{key_id} (sweeps): max_running_runs 3, max_gpus 8, max_priority 60" in (
+            updated.stdout
+        )
+
+        lifted = self.keys(settings, "update", key_id, "--max-gpus", "none")
+        assert lifted.exit_code == ExitCode.OK, lifted.stderr
+        assert self.listed(settings)["sweeps"] == {
+            "id": key_id,
+            "max_running_runs": 3,
+            "max_queued_runs": None,
+            "max_gpus": None,
+            "max_priority": 60,
+        }
+
+    @pytest.mark.parametrize(
+        ("flag", "value", "exit_code", "says"),
+        [
+            ("--max-priority", "101", ExitCode.REFUSED, "max_priority: must be within 0..100"),
+            ("--max-gpus", "-1", ExitCode.REFUSED, "max_gpus: must be 0 or more, not -1"),
+            ("--max-running-runs", "two", ExitCode.USAGE, "is not a whole number or 'none'"),
+        ],
+    )
+    def test_an_invalid_limit_is_refused_and_nothing_changes(
+        self, settings: Settings, flag: str, value: str, exit_code: int, says: str
+    ) -> None:
+        self.keys(settings, "create", "--name", "sweeps", "--max-priority", "60")
+        before = self.listed(settings)
+
+        updated = self.keys(settings, "update", "sweeps", flag, value)
+        assert updated.exit_code == exit_code
+        assert says in " ".join(updated.stderr.split())
+        assert self.listed(settings) == before
+
+        created = self.keys(settings, "create", "--name", "another", flag, value)
+        assert created.exit_code == exit_code
+        assert "another" not in self.listed(settings)
+
+    def test_updating_a_key_that_does_not_exist_exits_4(self, settings: Settings) -> None:
+        self.keys(settings, "create", "--name", "sweeps")
+        result = self.keys(settings, "update", "nobody", "--max-gpus", "1")
+        assert result.exit_code == ExitCode.NOT_FOUND
+        assert "no API key with the id or live key with the name 'nobody'" in result.stderr

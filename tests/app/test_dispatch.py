@@ -59,6 +59,15 @@ class ScriptedRay:
     def stop(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
 
+    # Each node's free resources, as the dashboard reports them; None: not readable (the
+    # scheduler then judges slots and quotas only).
+    free: list[dict[str, float]] | None = None
+
+    def free_resources(self) -> list[dict[str, float]]:
+        if self.free is None:
+            raise RayUnavailable("the scripted Ray reports no resources")
+        return [dict(node) for node in self.free]
+
 
 def dispatch_to(
     ray: ScriptedRay, settings: Settings, session_factory: sessionmaker[Session]

@@ -61,6 +61,13 @@ def problems(client: TestClient, auth: dict[str, str], body: dict[str, Any]) -> 
 
 
 class TestRules:
+    @pytest.fixture
+    def database_url(self, tmp_path: Path) -> str:
+        """SQLite only: these rules are the request's, checked before anything is stored, so
+        PostgreSQL would run them again for nothing (tests/app/test_validate_api.py runs
+        /validate on both; TestRefused below checks, on both, that nothing is stored)."""
+        return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+
     def test_a_watched_request_is_valid(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
     ) -> None:
@@ -133,6 +140,8 @@ class TestRules:
         # Only the metric's rule is asked about here (the data is not preference records).
         assert "early_stopping.metric" not in problems(client, auth, body)
 
+
+class TestRefused:
     def test_nothing_is_stored_for_a_refused_request(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
     ) -> None:

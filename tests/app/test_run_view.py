@@ -34,6 +34,9 @@ def _run(**fields: Any) -> Any:
         "model_path": None,
         "latest_checkpoint": None,
         "result": None,
+        "priority": 50,
+        "preemptible": True,
+        "queue_reason": None,
     }
     return SimpleNamespace(**{**row, **fields})
 

@@ -141,11 +141,13 @@ def test_a_crash_between_commit_and_submit_leaves_exactly_one_ray_job(
     assert any("resubmitting" in e["message"] for e in _events(service, run_id))
 
 
-@pytest.fixture
-def own_service(
+@pytest.fixture(scope="module")
+def crashable_service(
     tmp_path_factory: pytest.TempPathFactory, tiny_models_root: Path
 ) -> Iterator[Service]:
-    """A service this test may crash: its own home, database and Ray head."""
+    """A service the crash tests may crash, apart from the shared one: its own home,
+    database and Ray head. One for the module: a start (service and head) takes 15 to 40 s
+    on 2 cores, and each test leaves it running, with a head, as it found it."""
     svc = make_service(
         tmp_path_factory.mktemp("crash-home"),
         tmp_path_factory.mktemp("crash-data"),
@@ -160,6 +162,15 @@ def own_service(
         head = svc.home / "ray" / "head.json"
         if head.exists():  # a test that left a head behind: take it down
             os.killpg(json.loads(head.read_text())["pid"], signal.SIGKILL)
+
+
+@pytest.fixture
+def own_service(crashable_service: Service) -> Service:
+    """The crashable service, running: a test that failed with it killed does not take the
+    next one down with it."""
+    if crashable_service.proc is None or crashable_service.proc.poll() is not None:
+        crashable_service.start()
+    return crashable_service
 
 
 def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model_dir: Path) -> None:
@@ -186,7 +197,7 @@ def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model
 
 def test_restart_the_ray_head_mid_run(own_service: Service, tiny_model_dir: Path) -> None:
     svc = own_service
-    data = write_jsonl_dataset(svc.data_dir / "news.jsonl", rows=2000, seed=10)
+    data = write_jsonl_dataset(svc.data_dir / "news-head.jsonl", rows=2000, seed=10)
     run_id = svc.submit(_long_request(tiny_model_dir, data, steps=80, every=20))["id"]
     deadline = time.monotonic() + 300
     while not checkpoints(svc, run_id, "deepspeed"):

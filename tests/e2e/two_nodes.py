@@ -32,6 +32,9 @@ _NODE_PORT_FLAGS = (
     "--runtime-env-agent-port",
 )
 _HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port")
+# A stopped node's processes exit within seconds; `ray start --block` itself lingers about
+# 30 s more holding nothing (as app/ray_head.py's stop says), and is killed past this.
+_STOP_GRACE_S = 5.0
 
 
 @dataclass
@@ -53,13 +56,14 @@ class RayNode:
                 return int(proc.pid)
         raise AssertionError(f"no raylet with {flag}")
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def finish(self, deadline: float) -> None:
+        """Wait for a terminated node until `deadline`, then kill what is left of it."""
         try:
-            # The node's processes exit within seconds; `ray start --block` itself lingers
-            # about 30 s more holding nothing (as app/ray_head.py's stop says).
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -123,8 +127,14 @@ class TwoNodeCluster:
         }
 
     def stop(self) -> None:
-        for node in [*self.nodes, *([self.head] if self.head else [])]:
-            node.stop()
+        """Every node at once: each one's grace period is spent waiting, so the nodes share
+        one rather than taking theirs in turn."""
+        nodes = [*self.nodes, *([self.head] if self.head else [])]
+        for node in nodes:
+            node.terminate()
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for node in nodes:
+            node.finish(deadline)
 
     def _start_node(self, name: str, args: list[str]) -> RayNode:
         ports = dict(zip(_NODE_PORT_FLAGS, free_ports(len(_NODE_PORT_FLAGS)), strict=True))

@@ -48,6 +48,9 @@ function renderRun() {
     ["Parallelism", parallelism(spec)],
     ["Progress", progressBar(run.progress)],
     ["Attempt", String(run.attempt)],
+    ["Priority", `${spec.priority ?? 50}${spec.preemptible === false ? " · not preemptible" : ""}`],
+    // Only while queued: its place in the scheduler's order and why it waits.
+    ...(run.queue ? [["Queue", `#${run.queue.position ?? "?"} · ${run.queue.reason || "waiting for the scheduler"}`]] : []),
     ["Loss", number(latest.loss)],
     ["Tokens/s", number(latest.tokens_per_second)],
     ["Created", dateTime(run.created_at)],

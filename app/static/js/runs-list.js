@@ -79,13 +79,13 @@ function row(run) {
   const loss = run.latest_metrics?.loss;
   const lossText = loss === undefined ? "–" : loss === null ? run.nonfinite_metrics?.loss : number(loss);
   updateLoss(run).catch((error) => console.warn(`loss of ${run.id}`, error));
-  const queued = run.queue_position ? ` (#${run.queue_position} in queue)` : "";
+  const queued = run.queue?.position ? ` (#${run.queue.position} in queue)` : "";
   return el(
     "tr",
     { "data-run-id": run.id },
     el("td", {}, check),
     el("td", {}, el("a", { href: `/runs/${run.id}` }, run.id)),
-    el("td", {}, statusBadge(run.status), queued),
+    el("td", { title: run.queue?.reason || "" }, statusBadge(run.status), queued),
     el("td", { class: "model", title: spec.model }, String(spec.model ?? "")),
     el("td", {}, `${spec.task || "causal_lm"} · ${methodOf(spec)}`),
     el("td", {}, parallelism(spec)),
