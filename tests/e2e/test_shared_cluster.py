@@ -197,6 +197,7 @@ def test_a_higher_priority_run_preempts_a_lower_one_which_resumes_without_a_gap(
     )
     assert reason.startswith("waiting for cluster resources (needs 2 CPUs"), reason
     assert reason.endswith(f"preempting run {low}"), reason
+
     def back_in_queue() -> dict[str, Any] | None:
         run = _get(low_key, low)
         assert run["status"] not in {"succeeded", "failed", "cancelled"}, run
