@@ -11,14 +11,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Path, Query, Request, Security
 from pydantic import AfterValidator
+from sqlalchemy.orm import Session
 
 from app.api.deps import (
     ClusterDep,
     CurrentPrincipal,
     DispatcherDep,
     JobsDep,
+    Principal,
     SessionDep,
     SettingsDep,
+    read_as_caller,
 )
 from app.ray_jobs import try_stop
 from app.schemas.errors import error_responses
@@ -135,10 +138,14 @@ def list_fine_tuning_jobs(
     summary="Retrieve a fine-tuning job (OpenAI)",
     responses=_errors(400, 401, 404),
 )
-def get_fine_tuning_job(job_id: JobId, session: SessionDep, principal: CurrentPrincipal) -> Job:
-    run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id)
-    tokens = openai_jobs.trained_tokens(session, [run.id])
-    return openai_jobs.job_view(run, trained_tokens=tokens.get(run.id))
+async def get_fine_tuning_job(job_id: JobId, request: Request) -> Job:
+    # What the SDK's clients poll: key and job read on one connection (read_as_caller).
+    def read(session: Session, caller: Principal) -> Job:
+        run = openai_jobs.get_job(session, job_id=job_id, owner_id=caller.id)
+        tokens = openai_jobs.trained_tokens(session, [run.id])
+        return openai_jobs.job_view(run, trained_tokens=tokens.get(run.id))
+
+    return await read_as_caller(request, read)
 
 
 @router.post(

@@ -5,6 +5,7 @@ a revocation)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,6 +19,7 @@ from app.main import create_app
 from app.services.api_keys import find_api_key, revoke_api_key
 from app.settings import Settings
 from tests.conftest import make_api_key
+from tests.factories import run_request
 
 
 @pytest.fixture
@@ -79,6 +81,40 @@ class TestRevokedKey:
                 == 401
             )
             assert service.get("/v1/runs", headers={"Authorization": f"Bearer {kept}"}).is_success
+
+    def test_the_polling_routes_check_the_key_on_their_own_read(
+        self,
+        client: TestClient,
+        replica: TestClient,
+        session_factory: sessionmaker[Session],
+        tmp_path: Path,
+    ) -> None:
+        """GET /v1/runs/{id} and the OpenAI retrieve check the key in the read itself
+        (app/api/deps.py read_as_caller): the same rules as every other route."""
+        secret = make_api_key(session_factory, name="poller")
+        other = make_api_key(session_factory, name="someone-else")
+        auth = {"Authorization": f"Bearer {secret}"}
+        run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
+        polled = (f"/v1/runs/{run_id}", f"/v1/fine_tuning/jobs/{run_id}")
+        for service in (client, replica):
+            for path in polled:
+                assert service.get(path, headers=auth).status_code == 200, path
+                # Another key's run is not found; no key or a wrong one is refused.
+                foreign = service.get(path, headers={"Authorization": f"Bearer {other}"})
+                assert foreign.status_code == 404, path
+                for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic x"}):
+                    refused = service.get(path, headers=headers)
+                    assert refused.status_code == 401, (path, headers)
+                    assert refused.headers["www-authenticate"].startswith("Bearer")
+
+        with transaction(session_factory) as session:
+            revoke_api_key(session, ref="poller")
+        for service in (client, replica):
+            for path in polled:
+                refused = service.get(path, headers=auth)
+                assert refused.status_code == 401, path
+                error = refused.json()["error"]  # the OpenAI routes answer in OpenAI's shape
+                assert (error if isinstance(error, str) else error["code"]) == "unauthorized"
 
     def test_a_revoked_key_is_not_found(self, session_factory: sessionmaker[Session]) -> None:
         secret = make_api_key(session_factory, name="old")
