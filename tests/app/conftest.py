@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.ports import free_port
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.worker_calls import bearer, job_token
 from tests.factories import run_request
 
 
@@ -30,8 +31,7 @@ def start_run(
     """Create a run and dispatch it to a recording Ray: (run id, the worker's token)."""
     run_id = client.post("/v1/runs", json=run_request(root), headers=auth).json()["id"]
     ray = dispatch_to(ScriptedRay(), settings, session_factory)
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return run_id, token
+    return run_id, job_token(ray.submitted[-1])
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def started(
 ) -> tuple[str, dict[str, str]]:
     """A started run: (its id, the headers its worker posts with)."""
     run_id, token = start_run(client, auth, tmp_path, settings, session_factory)
-    return run_id, {"Authorization": f"Bearer {token}"}
+    return run_id, bearer(token)
 
 
 @contextmanager

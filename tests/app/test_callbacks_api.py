@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
 from tests.app.conftest import start_run
+from tests.app.worker_calls import post_status
 
 
 def _points(steps: range, name: str = "loss", base: float = 5.0) -> list[dict[str, Any]]:
@@ -26,21 +27,13 @@ class TestStatusCallback:
         run_id, worker = started
         assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["status"] == "starting"
 
-        r = client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "running"},
-            headers=worker,
-        )
+        r = post_status(client, run_id, worker, "running")
         assert r.status_code == 200, r.text
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "running"
         assert run["started_at"] is not None
 
-        client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "succeeded"},
-            headers=worker,
-        )
+        post_status(client, run_id, worker, "succeeded")
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "succeeded"
         assert run["finished_at"] is not None
@@ -50,11 +43,7 @@ class TestStatusCallback:
     ) -> None:
         run_id, worker = started
         error = {"code": "training_error", "message": "dataset has no field 'text'"}
-        client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "failed", "error": error},
-            headers=worker,
-        )
+        post_status(client, run_id, worker, "failed", error=error)
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         assert run["status"] == "failed"
         assert run["error"] == error
@@ -63,16 +52,8 @@ class TestStatusCallback:
         self, client: TestClient, started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "succeeded"},
-            headers=worker,
-        )
-        late = client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "running"},
-            headers=worker,
-        )
+        post_status(client, run_id, worker, "succeeded")
+        late = post_status(client, run_id, worker, "running")
         assert late.status_code == 401
 
     def test_wrong_token_is_401(
@@ -80,11 +61,7 @@ class TestStatusCallback:
     ) -> None:
         run_id, _ = started
         for headers in ({}, {"Authorization": "Bearer rt_wrong"}):
-            r = client.post(
-                f"/v1/internal/runs/{run_id}/status",
-                json={"attempt": 1, "status": "running"},
-                headers=headers,
-            )
+            r = post_status(client, run_id, headers, "running")
             assert r.status_code == 401
 
     def test_a_token_is_good_for_its_own_run_only(
@@ -99,11 +76,7 @@ class TestStatusCallback:
         _, first_worker = started
         (tmp_path / "other").mkdir()
         second_id, _ = start_run(client, auth, tmp_path / "other", settings, session_factory)
-        r = client.post(
-            f"/v1/internal/runs/{second_id}/status",
-            json={"attempt": 1, "status": "running"},
-            headers=first_worker,
-        )
+        r = post_status(client, second_id, first_worker, "running")
         assert r.status_code == 401
         assert client.get(f"/v1/runs/{second_id}", headers=auth).json()["status"] == "starting"
 
@@ -111,11 +84,7 @@ class TestStatusCallback:
         self, client: TestClient, started: tuple[str, dict[str, str]]
     ) -> None:
         run_id, worker = started
-        r = client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 0, "status": "running"},
-            headers=worker,
-        )
+        r = post_status(client, run_id, worker, "running", attempt=0)
         assert r.status_code == 409
 
 

@@ -32,6 +32,7 @@ from contract.job_env import PROFILE_ENV
 from tests.app.conftest import served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.test_profiles import ProfilingRay
+from tests.app.worker_calls import bearer, job_token
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -52,14 +53,13 @@ class LiveService:
     def dispatch(self) -> str:
         """Dispatch queued runs to the scripted Ray; the last one's worker token."""
         dispatch_to(self.ray, self.settings, self.session_factory)
-        token: str = self.ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-        return token
+        return job_token(self.ray.submitted[-1])
 
     def worker_post(self, run_id: str, token: str, what: str, body: dict[str, Any]) -> None:
         response = httpx.post(
             f"{self.url}/v1/internal/runs/{run_id}/{what}",
             json={"attempt": 1, **body},
-            headers={"Authorization": f"Bearer {token}"},
+            headers=bearer(token),
         )
         assert response.status_code == 200, response.text
 

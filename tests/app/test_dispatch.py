@@ -24,6 +24,7 @@ from app.ray_jobs import JobState, RayRejected, RayUnavailable, redact
 from app.security import hash_secret
 from app.settings import Settings
 from contract.run_request import RunRequest
+from tests.app.worker_calls import bearer, job_token, post_status, worker_headers
 from tests.factories import run_request
 
 
@@ -417,7 +418,7 @@ class TestReconcile:
         assert [j["submission_id"] for j in ray.submitted] == [f"{run_id}-1", f"{run_id}-1"]
         run = _run(session_factory, run_id)
         assert run.status == "starting"
-        new_token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
+        new_token = job_token(ray.submitted[-1])
         assert run.callback_token_hash == hash_secret(new_token)
 
     def test_ray_unreachable_changes_nothing(
@@ -499,21 +500,6 @@ class TestJobEnvironment:
         assert logged == "token=[redacted] key=[redacted] iface=enp0s31f6"
 
 
-def _token(job: dict[str, Any]) -> str:
-    return str(job["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"])
-
-
-def _post_status(
-    client: TestClient, run_id: str, token: str, *, attempt: int, status: str = "running"
-) -> int:
-    r = client.post(
-        f"/v1/internal/runs/{run_id}/status",
-        json={"attempt": attempt, "status": status},
-        headers={"Authorization": f"Bearer {token}"},
-    )
-    return r.status_code
-
-
 class TestRunTokens:
     """The token in a job's runtime_env is readable by anyone with the Ray dashboard; it is
     good for its run's one attempt, and only until that attempt ends."""
@@ -534,21 +520,21 @@ class TestRunTokens:
         dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
-        first = _token(ray.submitted[-1])
-        assert _post_status(client, run_id, first, attempt=1) == 200
+        first = worker_headers(ray)
+        assert post_status(client, run_id, first, "running", attempt=1).status_code == 200
         ray.states[f"{run_id}-1"] = None  # the head restarted: attempt 1 is lost
         dispatcher.reconcile_live_runs()
         assert _run(session_factory, run_id).status == "queued"
         # Between the attempts no token is good at all.
-        assert _post_status(client, run_id, first, attempt=1) == 401
+        assert post_status(client, run_id, first, "running", attempt=1).status_code == 401
 
         dispatcher.dispatch_queued_runs()
-        second = _token(ray.submitted[-1])
+        second = worker_headers(ray)
         assert ray.submitted[-1]["submission_id"] == f"{run_id}-2"
         assert second != first
-        assert _post_status(client, run_id, first, attempt=1) == 401
-        assert _post_status(client, run_id, first, attempt=2) == 401
-        assert _post_status(client, run_id, second, attempt=2) == 200
+        assert post_status(client, run_id, first, "running", attempt=1).status_code == 401
+        assert post_status(client, run_id, first, "running", attempt=2).status_code == 401
+        assert post_status(client, run_id, second, "running", attempt=2).status_code == 200
         assert _run(session_factory, run_id).status == "running"
 
     def test_a_resubmission_of_the_same_attempt_gets_a_new_token(
@@ -559,7 +545,7 @@ class TestRunTokens:
         dispatcher: Dispatcher,
         ray: ScriptedRay,
     ) -> None:
-        first = _token(ray.submitted[-1])
+        first = worker_headers(ray)
         ray.states[f"{run_id}-1"] = None
         with session_factory.begin() as session:
             session.execute(
@@ -568,10 +554,10 @@ class TestRunTokens:
                 .values(updated_at=utcnow() - timedelta(minutes=5))
             )
         dispatcher.reconcile_live_runs()  # Ray never received it: submitted again
-        second = _token(ray.submitted[-1])
+        second = worker_headers(ray)
         assert second != first
-        assert _post_status(client, run_id, first, attempt=1) == 401
-        assert _post_status(client, run_id, second, attempt=1) == 200
+        assert post_status(client, run_id, first, "running", attempt=1).status_code == 401
+        assert post_status(client, run_id, second, "running", attempt=1).status_code == 200
 
     @pytest.mark.parametrize(
         ("ray_says", "outcome"),
@@ -591,12 +577,12 @@ class TestRunTokens:
         ray_says: JobState,
         outcome: str,
     ) -> None:
-        token = _token(ray.submitted[-1])
+        worker = worker_headers(ray)
         ray.states[f"{run_id}-1"] = ray_says
         dispatcher.reconcile_live_runs()
         run = _run(session_factory, run_id)
         assert (run.status, run.callback_token_hash) == (outcome, None)
-        assert _post_status(client, run_id, token, attempt=1) == 401
+        assert post_status(client, run_id, worker, "running", attempt=1).status_code == 401
 
     def test_a_job_ray_took_although_the_submit_failed_still_reports_with_its_token(
         self,
@@ -613,14 +599,14 @@ class TestRunTokens:
         sent: list[str] = []
 
         def timed_out(**job: Any) -> None:
-            sent.append(_token(job))
+            sent.append(job_token(job))
             raise RayUnavailable("cannot reach Ray at http://ray.invalid: read timed out")
 
         monkeypatch.setattr(ray, "submit", timed_out)
         run_id = _create(client, auth, tmp_path)
         dispatcher.dispatch_queued_runs()
         assert _run(session_factory, run_id).status == "queued"
-        assert _post_status(client, run_id, sent[0], attempt=1) == 200
+        assert post_status(client, run_id, bearer(sent[0]), "running", attempt=1).status_code == 200
         assert _run(session_factory, run_id).status == "running"
 
 

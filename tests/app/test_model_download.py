@@ -170,6 +170,7 @@ def test_an_object_store_that_stops_answering_is_a_503(
     from app.db import make_engine, make_session_factory
     from app.migrate import upgrade_database
     from tests.app.test_dispatch import ScriptedRay, dispatch_to
+    from tests.app.worker_calls import worker_headers
     from tests.conftest import make_api_key, running_s3_server
     from tests.factories import run_request
 
@@ -189,8 +190,7 @@ def test_an_object_store_that_stops_answering_is_a_503(
         client.__enter__()
         run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
         ray = dispatch_to(ScriptedRay(), settings, factory)
-        token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-        _export(client, settings, (run_id, {"Authorization": f"Bearer {token}"}), tiny_model_dir)
+        _export(client, settings, (run_id, worker_headers(ray)), tiny_model_dir)
     try:
         r = client.get(f"/v1/runs/{run_id}/model", headers=auth)
         assert r.status_code == 503, r.text

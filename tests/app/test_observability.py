@@ -20,6 +20,7 @@ from app.logs import configure_logging
 from app.ray_jobs import RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay
+from tests.app.worker_calls import post_status, worker_headers
 from tests.factories import run_request
 
 
@@ -108,17 +109,10 @@ class TestPrometheus:
         run_id = client.post("/v1/runs", json=run_request(tmp_path), headers=auth).json()["id"]
         disp, ray = dispatcher
         disp.dispatch_queued_runs()
-        worker = {
-            "Authorization": "Bearer "
-            + ray.submitted[0]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-        }
+        worker = worker_headers(ray, run_id)
         now = datetime.now(UTC).isoformat()
         points = [{"step": s, "name": "loss", "value": 1.0, "time": now} for s in range(5)]
-        client.post(
-            f"/v1/internal/runs/{run_id}/status",
-            json={"attempt": 1, "status": "running"},
-            headers=worker,
-        )
+        post_status(client, run_id, worker, "running")
         for _ in range(2):  # a retried batch
             r = client.post(
                 f"/v1/internal/runs/{run_id}/metrics",

@@ -22,6 +22,7 @@ from app.dispatch import Dispatcher
 from app.ray_jobs import JobState, RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.worker_calls import post_status, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -41,11 +42,6 @@ def _create(client: TestClient, auth: dict[str, str], root: Path) -> str:
     return str(r.json()["id"])
 
 
-def _worker_headers(ray: ScriptedRay) -> dict[str, str]:
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return {"Authorization": f"Bearer {token}"}
-
-
 def _start(
     client: TestClient,
     auth: dict[str, str],
@@ -57,7 +53,7 @@ def _start(
     run_id = _create(client, auth, root)
     ray = dispatch_to(ScriptedRay(), settings, session_factory)
     client.app.state.tuneyard.jobs = ray
-    return Live(run_id=run_id, ray=ray, worker=_worker_headers(ray))
+    return Live(run_id=run_id, ray=ray, worker=worker_headers(ray))
 
 
 def _confirm_stopped(
@@ -67,24 +63,6 @@ def _confirm_stopped(
     live.ray.states[f"{live.run_id}-1"] = JobState(status="STOPPED", message="")
     jobs: Any = live.ray
     Dispatcher(settings=settings, session_factory=session_factory, jobs=jobs).reconcile_live_runs()
-
-
-def _report(
-    client: TestClient,
-    run_id: str,
-    worker: dict[str, str],
-    status: str,
-    *,
-    attempt: int = 1,
-    **extra: Any,
-) -> dict[str, Any]:
-    r = client.post(
-        f"/v1/internal/runs/{run_id}/status",
-        json={"attempt": attempt, "status": status, **extra},
-        headers=worker,
-    )
-    assert r.status_code == 200, r.text
-    return dict(r.json())
 
 
 def _get(client: TestClient, auth: dict[str, str], run_id: str) -> dict[str, Any]:
@@ -126,9 +104,9 @@ def _run_in(
     if status == "cancelling":
         assert client.post(f"/v1/runs/{live.run_id}/cancel", headers=auth).status_code == 200
     elif status != "starting":
-        _report(client, live.run_id, live.worker, "running")
+        post_status(client, live.run_id, live.worker, "running", check=True)
         if status != "running":
-            _report(client, live.run_id, live.worker, status)
+            post_status(client, live.run_id, live.worker, status, check=True)
     assert _get(client, auth, live.run_id)["status"] == status
     return live.run_id
 
@@ -162,7 +140,7 @@ class TestCancel:
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
         if status == "running":
-            _report(client, live.run_id, live.worker, "running")
+            post_status(client, live.run_id, live.worker, "running", check=True)
 
         r = client.post(f"/v1/runs/{live.run_id}/cancel", headers=auth)
         assert r.status_code == 200, r.text
@@ -259,14 +237,13 @@ class TestCancel:
         session_factory: sessionmaker[Session],
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
-        _report(client, live.run_id, live.worker, "running")
+        post_status(client, live.run_id, live.worker, "running", check=True)
         client.post(f"/v1/runs/{live.run_id}/cancel", headers=auth)
 
         # Stopping the job makes its workers fail; the user asked for a cancel, not a failure.
         error = {"code": "training_error", "message": "worker got SIGTERM"}
-        assert _report(client, live.run_id, live.worker, "failed", error=error) == {
-            "status": "cancelling"
-        }
+        reply = post_status(client, live.run_id, live.worker, "failed", error=error, check=True)
+        assert reply.json() == {"status": "cancelling"}
         run = _get(client, auth, live.run_id)
         assert (run["status"], run["error"], run["finished_at"]) == ("cancelling", None, None)
         assert "worker got SIGTERM" in _events(client, auth, live.run_id)[-1]["message"]
@@ -288,7 +265,8 @@ class TestCancel:
         live = _start(client, auth, tmp_path, settings, session_factory)
         client.post(f"/v1/runs/{live.run_id}/cancel", headers=auth)
 
-        assert _report(client, live.run_id, live.worker, "running") == {"status": "cancelling"}
+        reply = post_status(client, live.run_id, live.worker, "running", check=True)
+        assert reply.json() == {"status": "cancelling"}
         run = _get(client, auth, live.run_id)
         assert run["status"] == "cancelling"
         assert _statuses(_events(client, auth, live.run_id))[-1] == "cancelling"
@@ -304,7 +282,7 @@ class TestResume:
         session_factory: sessionmaker[Session],
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
-        _report(client, live.run_id, live.worker, "running")
+        post_status(client, live.run_id, live.worker, "running", check=True)
         checkpoint = {"attempt": 1, "step": 3, "path": "/storage/run/checkpoint_3"}
         client.post(
             f"/v1/internal/runs/{live.run_id}/checkpoints",
@@ -312,7 +290,7 @@ class TestResume:
             headers=live.worker,
         )
         error = {"code": "training_error", "message": "CUDA out of memory"}
-        _report(client, live.run_id, live.worker, "failed", error=error)
+        post_status(client, live.run_id, live.worker, "failed", error=error, check=True)
         assert _get(client, auth, live.run_id)["error"] == error
 
         r = client.post(f"/v1/runs/{live.run_id}/resume", headers=auth)
@@ -336,7 +314,7 @@ class TestResume:
         session_factory: sessionmaker[Session],
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
-        _report(client, live.run_id, live.worker, "failed")
+        post_status(client, live.run_id, live.worker, "failed", check=True)
         client.post(f"/v1/runs/{live.run_id}/resume", headers=auth)
 
         dispatch_to(live.ray, settings, session_factory)
@@ -344,7 +322,7 @@ class TestResume:
             f"{live.run_id}-1",
             f"{live.run_id}-2",
         ]
-        second = _worker_headers(live.ray)
+        second = worker_headers(live.ray)
         assert second != live.worker
         run = _get(client, auth, live.run_id)
         assert (run["status"], run["attempt"], run["ray_submission_id"]) == (
@@ -370,7 +348,8 @@ class TestResume:
         assert _get(client, auth, live.run_id)["status"] == "starting"
         assert _get(client, auth, live.run_id)["output"]["model_path"] is None
 
-        assert _report(client, live.run_id, second, "running", attempt=2) == {"status": "running"}
+        reply = post_status(client, live.run_id, second, "running", attempt=2, check=True)
+        assert reply.json() == {"status": "running"}
 
     @pytest.mark.parametrize("status", ["queued", "starting", "running", "cancelling", "succeeded"])
     def test_a_run_that_is_not_failed_or_cancelled_is_409_naming_its_status(
@@ -400,7 +379,7 @@ class TestResume:
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
         client.post(f"/v1/runs/{live.run_id}/cancel", headers=auth)
-        _report(client, live.run_id, live.worker, "failed")
+        post_status(client, live.run_id, live.worker, "failed", check=True)
         _confirm_stopped(live, settings, session_factory)
         assert _get(client, auth, live.run_id)["status"] == "cancelled"
 
@@ -437,14 +416,14 @@ class TestEvents:
     ) -> str:
         """A run that went queued → starting → running (with a worker message) → succeeded."""
         live = _start(client, auth, tmp_path, settings, session_factory)
-        _report(client, live.run_id, live.worker, "running")
+        post_status(client, live.run_id, live.worker, "running", check=True)
         r = client.post(
             f"/v1/internal/runs/{live.run_id}/events",
             json={"attempt": 1, "type": "message", "message": "model loaded"},
             headers=live.worker,
         )
         assert r.status_code == 200, r.text
-        _report(client, live.run_id, live.worker, "succeeded")
+        post_status(client, live.run_id, live.worker, "succeeded", check=True)
         return live.run_id
 
     def test_status_changes_and_messages_oldest_first(
@@ -577,7 +556,7 @@ class TestEventStream:
     ) -> str:
         """A succeeded run with four status events and five metric points."""
         live = _start(client, auth, tmp_path, settings, session_factory)
-        _report(client, live.run_id, live.worker, "running")
+        post_status(client, live.run_id, live.worker, "running", check=True)
         for steps in (range(1, 4), range(4, 6)):
             r = client.post(
                 f"/v1/internal/runs/{live.run_id}/metrics",
@@ -585,7 +564,7 @@ class TestEventStream:
                 headers=live.worker,
             )
             assert r.status_code == 200, r.text
-        _report(client, live.run_id, live.worker, "succeeded")
+        post_status(client, live.run_id, live.worker, "succeeded", check=True)
         return live.run_id
 
     def test_a_finished_run_streams_everything_then_ends(

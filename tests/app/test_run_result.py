@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.worker_calls import worker_headers
 from tests.factories import run_request
 
 EVAL = {"split": "train[:90%]", "eval_split": "train[90%:]"}
@@ -36,8 +37,7 @@ def start(
     r = client.post("/v1/runs", json=body, headers=auth)
     assert r.status_code == 201, r.text
     ray = dispatch_to(ScriptedRay(), settings, session_factory)
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return r.json()["id"], {"Authorization": f"Bearer {token}"}
+    return r.json()["id"], worker_headers(ray)
 
 
 def post_checkpoint(

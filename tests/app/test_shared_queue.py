@@ -28,6 +28,7 @@ from app.services.queue import LIVE
 from app.services.scheduling import Ask
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay
+from tests.app.worker_calls import control, worker_headers
 from tests.factories import run_request
 
 Headers = dict[str, str]
@@ -81,18 +82,6 @@ def backdate(session_factory: sessionmaker[Session], run_id: str, **columns: tim
 def events(session_factory: sessionmaker[Session], run_id: str) -> list[Event]:
     with session_factory() as session:
         return list(session.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.id)))
-
-
-def worker_token(ray: ScriptedRay, run_id: str, attempt: int = 1) -> Headers:
-    """The headers the job of this attempt posts with (its token is in the job's env)."""
-    (job,) = [j for j in ray.submitted if j["submission_id"] == f"{run_id}-{attempt}"][-1:]
-    return {"Authorization": f"Bearer {job['runtime_env']['env_vars']['TUNEYARD_RUN_TOKEN']}"}
-
-
-def control(client: TestClient, run_id: str, worker: Headers, attempt: int = 1) -> Any:
-    return client.get(
-        f"/v1/internal/runs/{run_id}/control", params={"attempt": attempt}, headers=worker
-    )
 
 
 @pytest.fixture
@@ -450,7 +439,7 @@ class TestPreemption:
         ray.free = [{"CPU": 8.0, "GPU": 2.0}]
         run_id = submit(client, key, tmp_path, priority=10, gpus=2)
         assert dispatcher.dispatch_queued_runs() == 1
-        worker = worker_token(ray, run_id)
+        worker = worker_headers(ray, run_id)
         now = datetime.now(UTC).isoformat()
         for path, posted in (
             ("status", {"status": "running"}),
@@ -498,7 +487,7 @@ class TestPreemption:
         low: str,
         urgent_key: Headers,
     ) -> None:
-        worker = worker_token(ray, low)
+        worker = worker_headers(ray, low)
         assert control(client, low, worker).json() == {"preempt": False}
 
         urgent = self.preempt(client, urgent_key, tmp_path, dispatcher)
@@ -559,7 +548,7 @@ class TestPreemption:
         # The low run's attempt began a minute ago; TUNEYARD_PREEMPTION_MIN_RUN_S is 600.
         backdate(session_factory, low, attempt_started_at=timedelta(minutes=1))
         urgent = self.preempt(client, urgent_key, tmp_path, dispatcher)
-        assert control(client, low, worker_token(ray, low)).json() == {"preempt": False}
+        assert control(client, low, worker_headers(ray, low)).json() == {"preempt": False}
         assert client.get(f"/v1/runs/{urgent}", headers=urgent_key).json()["queue"]["reason"] == (
             "waiting for cluster resources (needs 2 GPUs + 1 CPU, 0 GPUs + 7 CPUs free)"
         )
@@ -624,7 +613,7 @@ class TestPreemption:
         sweeps_key: Headers,
     ) -> None:
         self.preempt(client, urgent_key, tmp_path, dispatcher)
-        worker = worker_token(ray, low)
+        worker = worker_headers(ray, low)
         cancelled = client.post(f"/v1/runs/{low}/cancel", headers=sweeps_key)
         assert cancelled.json()["status"] == "cancelling"
         assert control(client, low, worker).json() == {"preempt": False}

@@ -33,6 +33,7 @@ from app.settings import Settings
 from app.status import RunStatus
 from contract.job_env import SPEC_ENV
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.worker_calls import post_status, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -161,20 +162,12 @@ def start_run(
     # The URLs (which may carry tokens) stay with the service, out of the job's environment.
     assert all(hook["url"] not in "".join(env_vars.values()) for hook in webhooks)
     assert json.loads(env_vars[SPEC_ENV])["webhooks"] == []
-    return r.json()["id"], {"Authorization": f"Bearer {env_vars['TUNEYARD_RUN_TOKEN']}"}
-
-
-def post_status(
-    client: TestClient, run_id: str, worker: dict[str, str], status: str, **extra: Any
-) -> None:
-    body = {"attempt": 1, "status": status, **extra}
-    r = client.post(f"/v1/internal/runs/{run_id}/status", json=body, headers=worker)
-    assert r.status_code == 200, r.text
+    return r.json()["id"], worker_headers(ray)
 
 
 def succeed(client: TestClient, run_id: str, worker: dict[str, str]) -> None:
-    post_status(client, run_id, worker, "running")
-    post_status(client, run_id, worker, "succeeded")
+    post_status(client, run_id, worker, "running", check=True)
+    post_status(client, run_id, worker, "succeeded", check=True)
 
 
 def deliver_until(
@@ -330,7 +323,9 @@ class TestRetries:
     ) -> None:
         hooks = [{"url": f"http://127.0.0.1:{free_port()}/gone"}]
         run_id, worker = start_run(client, auth, tmp_path, settings, session_factory, hooks)
-        post_status(client, run_id, worker, "failed", error={"code": "x", "message": "boom"})
+        post_status(
+            client, run_id, worker, "failed", error={"code": "x", "message": "boom"}, check=True
+        )
         deliverer.tick()
         [pending] = deliveries(client, run_id, auth)
         assert (pending["status"], pending["attempts"]) == ("pending", 1)
@@ -491,7 +486,7 @@ class TestEvents:
             {"url": f"{receiver.url}/stops", "events": ["run.early_stopped", "run.succeeded"]},
         ]
         run_id, worker = start_run(client, auth, tmp_path, settings, session_factory, hooks)
-        post_status(client, run_id, worker, "running")
+        post_status(client, run_id, worker, "running", check=True)
         checkpoint = {
             "attempt": 1,
             "step": 4,
@@ -504,7 +499,7 @@ class TestEvents:
         for _ in range(2):  # the repeat is a retried post: one event, one delivery
             r = client.post(f"/v1/internal/runs/{run_id}/events", json=stop, headers=worker)
             assert r.status_code == 200, r.text
-        post_status(client, run_id, worker, "succeeded")
+        post_status(client, run_id, worker, "succeeded", check=True)
 
         listed = deliveries(client, run_id, auth)
         assert [(d["event"], d["url"].rsplit("/", 1)[1]) for d in listed] == [
@@ -536,7 +531,9 @@ class TestEvents:
             ok_id, ok = start_run(client, auth, tmp_path, settings, session_factory, [])
             succeed(client, ok_id, ok)
             bad_id, bad = start_run(client, auth, tmp_path, settings, session_factory, [])
-            post_status(client, bad_id, bad, "failed", error={"code": "x", "message": "boom"})
+            post_status(
+                client, bad_id, bad, "failed", error={"code": "x", "message": "boom"}, check=True
+            )
             assert deliveries(client, ok_id, auth) == []
             [failed] = deliveries(client, bad_id, auth)
         assert (failed["event"], failed["url"]) == ("run.failed", receiver.url)

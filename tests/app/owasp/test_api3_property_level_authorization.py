@@ -18,6 +18,7 @@ from app.models import Event, Run
 from app.ray_jobs import RayJobs, RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.worker_calls import job_token
 from tests.factories import run_request
 
 RAY_TOKEN = "ray-cluster-" + "q7" * 20
@@ -47,8 +48,7 @@ def _start(
     ray = dispatch_to(CredentialedRay(), settings, session_factory)
     assert isinstance(ray, CredentialedRay)
     client.app.state.tuneyard.jobs = ray  # type: ignore[attr-defined]
-    token = ray.submitted[-1]["runtime_env"]["env_vars"]["TUNEYARD_RUN_TOKEN"]
-    return run_id, token, ray
+    return run_id, job_token(ray.submitted[-1]), ray
 
 
 def _assert_no_secret(text: str, *secrets: str) -> None:
