@@ -339,7 +339,13 @@ class Dispatcher(TickLoop):
         asked = as_utc(seen.preempt_requested_at)
         grace = timedelta(seconds=self.settings.preemption_grace_s)
         with self._locked(seen.id) as (session, run):
-            if run is None or run.run_status.is_terminal():
+            # Ray's state is the job's that was read: a run preempted (or resumed) since then
+            # is on a new attempt, whose fate the old job does not decide.
+            if (
+                run is None
+                or run.run_status.is_terminal()
+                or run.ray_submission_id != seen.ray_submission_id
+            ):
                 return
             verdict = lifecycle.apply_ray_state(
                 session,

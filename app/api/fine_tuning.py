@@ -47,6 +47,7 @@ _WORDS = {
     401: "Missing or invalid API key",
     404: "No such job (or not yours)",
     409: "The job is in a state that does not allow this",
+    429: "The API key has max_queued_runs runs queued already",
 }
 
 
@@ -81,7 +82,7 @@ def _metadata_filter(request: Request) -> dict[str, str]:
     response_model=Job,
     summary="Create a fine-tuning job (OpenAI)",
     description=openai_jobs.__doc__,
-    responses=_errors(400, 401),
+    responses=_errors(400, 401, 429),
 )
 def create_fine_tuning_job(
     body: JobCreate,

@@ -87,7 +87,8 @@ class JobCreate(BaseModel):
         default=None,
         description="tuneyard's run request groups beyond OpenAI's fields, merged into the "
         "run: `lora`, `deepspeed`, `resources`, `training`, `checkpointing`, "
-        "`fault_tolerance` and `dataset` (e.g. `chat_template`). With the OpenAI SDK: "
+        "`fault_tolerance` and `dataset` (e.g. `chat_template`), and the scheduling fields "
+        "`priority` and `preemptible`. With the OpenAI SDK: "
         '`extra_body={"tuneyard": {...}}`.',
     )
 

@@ -40,8 +40,12 @@ class ValidateRequest(RunRequest):
 
     def run_request(self) -> RunRequest:
         """The run request alone, as `POST /v1/runs` would take it."""
+        # A priority left out stays left out: the key's default decides it (app/services/queue.py).
+        unset = set() if "priority" in self.model_fields_set else {"priority"}
         return RunRequest.model_validate(
-            self.model_dump(mode="json", exclude={"profile", "profile_steps"}, by_alias=True)
+            self.model_dump(
+                mode="json", exclude={"profile", "profile_steps", *unset}, by_alias=True
+            )
         )
 
 

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from app.errors import Conflict, NotFound, ValidationFailed, field_problem
 from app.models import ApiKey, new_id, utcnow
 from app.security import hash_secret, new_secret
+from contract.bounds import INT32_MAX
 
 # A key's share of the cluster (app/services/queue.py and scheduling.py apply them); None
 # is no limit. `tuneyard keys create/update` set them.
@@ -33,8 +34,8 @@ def limit_problems(limits: Mapping[str, int | None]) -> list[dict[str, str]]:
             problems.append(
                 field_problem(name, f"must be within 0..100, as a priority is; not {value}")
             )
-        elif value < 0:
-            problems.append(field_problem(name, f"must be 0 or more, not {value}"))
+        elif not 0 <= value <= INT32_MAX:  # a column every database holds
+            problems.append(field_problem(name, f"must be within 0..{INT32_MAX}, not {value}"))
     return problems
 
 

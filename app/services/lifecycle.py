@@ -380,9 +380,15 @@ def apply_worker_status(
         return
     if status == RunStatus.FAILED and failure is not None and failure.code == "unplaceable":
         failure = _unplaceable(session, run, failure.message)
-    if status == RunStatus.FAILED and preempting(run):
-        # Stopped for the scheduler (its grace ran out and the job was stopped), or failed
-        # on its way out: either way it goes back to the queue from its latest checkpoint.
+    if (
+        status == RunStatus.FAILED
+        and preempting(run)
+        and (failure is None or failure.code != "training_error")
+    ):
+        # Stopped for the scheduler (its grace ran out and the job was stopped), or the
+        # cluster failed under it on its way out: either way it goes back to the queue from
+        # its latest checkpoint. An error of the training code's own is the run's failure,
+        # preemption or not: it would fail the next attempt too.
         requeue_preempted(
             session, run, how=f"the attempt ended: {failure.message if failure else 'failed'}"
         )
@@ -463,8 +469,13 @@ def apply_ray_state(
         else:
             failure = Failure("stopped", f"the Ray job was stopped: {ray_message}")
             settle(session, run, RunStatus.FAILED, failure=failure)
+    elif ray_status == "SUCCEEDED" and cancelling and run.preempt_requested_at is not None:
+        # Cancelled while a preemption was asked: the entry point exits 0 once the attempt
+        # has saved its checkpoint and stopped, untrained to the end.
+        settle(session, run, RunStatus.CANCELLED, message="the attempt stopped at a checkpoint")
     elif ray_status == "SUCCEEDED":
-        # The entry point exits 0 only after training and export finished.
+        # The entry point exits 0 only after training and export finished, or (handled
+        # above) after a preempted attempt stopped.
         settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
     elif cancelling:
         return RayVerdict.STOP_JOB

@@ -48,10 +48,10 @@ from worker.deepspeed_config import global_batch_size
 BASE_LEARNING_RATE = 1e-5
 BASE_LEARNING_RATE_LORA = 1e-4
 DEFAULT_BETA = 0.1
-# The run request groups the `tuneyard` extension field may set.
+# The run request's groups (and scheduling fields) the `tuneyard` extension field may set.
 EXTENSION_GROUPS = frozenset(
     {"task", "dataset", "lora", "training", "deepspeed", "resources", "checkpointing",
-     "fault_tolerance"}
+     "fault_tolerance", "priority", "preemptible"}
 )  # fmt: skip
 # The dataset format each upload purpose was checked for.
 _FORMAT_OF_PURPOSE = {

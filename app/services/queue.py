@@ -35,6 +35,7 @@ from app.services.scheduling import (
 )
 from app.settings import Settings
 from app.status import RunStatus
+from contract.run_request import DEFAULT_PRIORITY
 
 LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
 # Any constant both replicas agree on: the key of PostgreSQL's advisory lock for a pass.
@@ -83,7 +84,9 @@ def schedule(
             ask=Ask.of_spec(row.spec),
             preemptible=row.preemptible and row.status == RunStatus.RUNNING,
             running_since=as_utc(row.attempt_started_at),
-            preempting=row.preempt_requested_at is not None,
+            # A cancel under way stops it anyway: it is no preemption that blocks another.
+            preempting=row.preempt_requested_at is not None
+            and row.status in (RunStatus.STARTING, RunStatus.RUNNING),
         )
         for row in live_rows
     ]
@@ -238,16 +241,24 @@ def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, in
 
 
 def check_submission(
-    session: Session, *, owner_id: str, priority: int, gpus: int, queuing: bool = True
-) -> None:
+    session: Session, *, owner_id: str, priority: int | None, gpus: int, queuing: bool = True
+) -> int:
     """Refuse what the caller's API key may not ask: a priority above its max_priority or
     more GPUs than its max_gpus (422: it would never start), or one more queued run than
     max_queued_runs (429: it may try again once some have started). The key's row is locked
     for the caller's transaction, so concurrent submissions, on any replica, count each
-    other. A caller without a key (auth disabled) has no limits."""
+    other. A caller without a key (auth disabled) has no limits.
+
+    Returns the run's priority: the one asked, or (`priority` None, not asked) the default
+    capped at the key's max_priority, so that a key limited below the default can still
+    submit without naming one (OpenAI's clients cannot)."""
     key = session.get(ApiKey, owner_id, with_for_update=queuing)
+    if priority is None:
+        priority = DEFAULT_PRIORITY
+        if key is not None and key.max_priority is not None:
+            priority = min(priority, key.max_priority)
     if key is None:
-        return
+        return priority
     problems = []
     if key.max_priority is not None and priority > key.max_priority:
         problems.append(
@@ -280,6 +291,7 @@ def check_submission(
                 f"this API key has {waiting} runs queued, its max_queued_runs is "
                 f"{key.max_queued_runs}: wait until some start, or cancel some"
             )
+    return priority
 
 
 def asked_gpus(spec: dict[str, Any]) -> int:

@@ -64,7 +64,9 @@ def create_run(
     if checked.problems:
         raise ValidationFailed(checked.problems)
     gpus = queue.asked_gpus(checked.spec)
-    queue.check_submission(session, owner_id=owner_id, priority=request.priority, gpus=gpus)
+    priority = queue.check_submission(
+        session, owner_id=owner_id, priority=_asked_priority(request), gpus=gpus
+    )
     run = Run(
         id=new_id("run"),
         owner_id=owner_id,
@@ -76,7 +78,7 @@ def create_run(
         latest_metrics={},
         idempotency_key=idempotency_key,
         request_hash=request_hash,
-        priority=request.priority,
+        priority=priority,
         preemptible=request.preemptible,
         gpus=gpus,
     )
@@ -93,6 +95,11 @@ def create_run(
         return earlier, False
     lifecycle.enqueue(session, run)
     return run, True
+
+
+def _asked_priority(request: RunRequest) -> int | None:
+    """The priority the request names; None when it leaves it to the key's default."""
+    return request.priority if "priority" in request.model_fields_set else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +145,7 @@ def validate_run_request(
             queue.check_submission(
                 session,
                 owner_id=owner_id,
-                priority=request.priority,
+                priority=_asked_priority(request),
                 gpus=queue.asked_gpus(checked.spec),
                 queuing=False,
             )
@@ -340,6 +347,9 @@ def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
     if run.run_status in (RunStatus.FAILED, RunStatus.CANCELLED):
         # (Any other status is refused by lifecycle.resume with 409, before any limit.)
         queue.check_submission(
-            session, owner_id=run.owner_id or "", priority=run.priority, gpus=run.gpus
+            session,
+            owner_id=run.owner_id or "",
+            priority=run.priority,
+            gpus=queue.asked_gpus(run.spec),
         )
     lifecycle.resume(session, run)

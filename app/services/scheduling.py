@@ -263,8 +263,10 @@ def _preemptions(
     Never while an earlier preemption is still under way (its resources are on their way
     back), never of an equal or higher priority, never of an attempt younger than the
     minimum run time. Which node a live run holds is not known here, so what its stop frees
-    is counted against the cluster's totals; if the run still does not fit once they are
-    gone, the next pass preempts again, each victim having run its minimum time."""
+    is counted against the cluster's totals, and at least one run is stopped: `waiting` did
+    not fit the nodes as they are, even where the totals would hold it (a tensor-parallel
+    group wants one node). If it still does not fit once they are gone, the next pass
+    preempts again, each victim having run its minimum time."""
     if any(run.preempting for run in live):
         return []
     candidates = sorted(
@@ -286,7 +288,7 @@ def _preemptions(
         fits_cluster = nodes is None or all(
             free.get(name, 0.0) + EPS >= amount for name, amount in need.items()
         )
-        if fits_cluster and not slots_short:
+        if chosen and fits_cluster and not slots_short:
             break
         chosen.append(
             Preemption(

@@ -5,6 +5,7 @@ Revises: b6f2d8e4a913
 Create Date: 2026-11-25 12:00:00
 """
 
+import math
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -32,6 +33,30 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('preempt_requested_at', sa.DateTime(timezone=True), nullable=True))
         batch_op.add_column(sa.Column('preempt_reason', sa.Text(), nullable=True))
         batch_op.create_index('ix_runs_status_priority', ['status', 'priority'], unique=False)
+    _backfill_gpus()
+
+
+# The statuses of runs that wait or hold the cluster: the only ones quotas and fair share read.
+_NOT_DONE = ('queued', 'starting', 'running', 'cancelling')
+
+
+def _backfill_gpus() -> None:
+    """Runs already queued or live ask for the GPUs their spec says (the rule of
+    app/services/scheduling.Ask, frozen here as of this revision), not the column's 0:
+    quotas, fair share and a resume's max_gpus check read the column."""
+    runs = sa.table('runs', sa.column('id', sa.String), sa.column('status', sa.String),
+                    sa.column('spec', sa.JSON), sa.column('gpus', sa.Integer))
+    conn = op.get_bind()
+    rows = conn.execute(sa.select(runs.c.id, runs.c.spec).where(runs.c.status.in_(_NOT_DONE)))
+    for run_id, spec in rows.all():
+        resources = (spec or {}).get('resources') or {}
+        if not resources.get('use_gpu'):
+            continue
+        gpus = math.ceil(
+            int(resources.get('num_workers', 1)) * float(resources.get('gpus_per_worker') or 1)
+            - 1e-6
+        )
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(gpus=gpus))
 
 
 def downgrade() -> None:

@@ -463,7 +463,9 @@ class TestKeyLimits:
         ("flag", "value", "exit_code", "says"),
         [
             ("--max-priority", "101", ExitCode.REFUSED, "max_priority: must be within 0..100"),
-            ("--max-gpus", "-1", ExitCode.REFUSED, "max_gpus: must be 0 or more, not -1"),
+            ("--max-gpus", "-1", ExitCode.REFUSED, "max_gpus: must be within 0..2147483647"),
+            # Past what PostgreSQL's INTEGER column holds (an overflow traceback before).
+            ("--max-gpus", "3000000000", ExitCode.REFUSED, "max_gpus: must be within 0.."),
             ("--max-running-runs", "two", ExitCode.USAGE, "is not a whole number or 'none'"),
         ],
     )

@@ -6,11 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
-from app.migrate import upgrade_database
+from app.migrate import alembic_config, upgrade_database
 from app.models import Base
 from tests.conftest import create_postgres_database, drop_postgres_database
 
@@ -40,3 +41,33 @@ def test_upgrade_head_on_an_empty_database_matches_the_models(empty_database: st
 def test_upgrade_is_idempotent(empty_database: str) -> None:
     upgrade_database(empty_database)
     upgrade_database(empty_database)  # a restarted service upgrades again: nothing to do
+
+
+def test_the_shared_queue_revision_counts_the_gpus_of_runs_not_done(
+    empty_database: str,
+) -> None:
+    """Runs queued or live before the upgrade ask for their spec's GPUs: quotas, fair share
+    and resume read the column, which new runs fill as they are created."""
+    command.upgrade(alembic_config(empty_database), "b6f2d8e4a913")  # the revision before
+    engine = create_engine(empty_database)
+    gpu = '{"resources": {"use_gpu": true, "num_workers": 4, "gpus_per_worker": 2}}'
+    cpu = '{"resources": {"use_gpu": false, "num_workers": 4}}'
+    with engine.begin() as conn:
+        for run_id, status, spec in (
+            ("run_gpu", "queued", gpu),
+            ("run_cpu", "running", cpu),
+            ("run_done", "succeeded", gpu),
+        ):
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, status, attempt, spec, metadata, step, "
+                    "latest_metrics, created_at, updated_at, queued_at) VALUES (:id, :status, "
+                    "1, :spec, '{}', 0, '{}', :now, :now, :now)"
+                ),
+                {"id": run_id, "status": status, "spec": spec, "now": "2026-11-01 00:00:00+00"},
+            )
+    upgrade_database(empty_database)
+    with engine.connect() as conn:
+        gpus = dict(conn.execute(text("SELECT id, gpus FROM runs")).all())
+    engine.dispose()
+    assert gpus == {"run_gpu": 8, "run_cpu": 0, "run_done": 0}

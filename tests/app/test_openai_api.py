@@ -220,6 +220,24 @@ class TestJobs:
 
         assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
 
+    def test_the_extension_sets_priority_and_preemptible(
+        self, client: openai.OpenAI, live: tuple[str, str], tiny_model_dir: Path, chat_file: Any
+    ) -> None:
+        extension = {
+            "dataset": {"chat_template": TEMPLATE},
+            "training": {"seq_length": 64},
+            "priority": 80,
+            "preemptible": False,
+        }
+        job = client.fine_tuning.jobs.create(
+            model=str(tiny_model_dir),
+            training_file=chat_file.id,
+            extra_body={"tuneyard": extension},
+        )
+        url, key = live
+        run = httpx.get(f"{url}/v1/runs/{job.id}", headers={"Authorization": f"Bearer {key}"})
+        assert (run.json()["spec"]["priority"], run.json()["spec"]["preemptible"]) == (80, False)
+
     def test_dpo_on_preference_pairs_with_auto_beta(
         self, client: openai.OpenAI, tiny_model_dir: Path, tmp_path: Path
     ) -> None:

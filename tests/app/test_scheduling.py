@@ -440,6 +440,14 @@ class TestPreemption:
         assert decide([self.urgent()], running, free=self.FULL).preempt != []
         assert decide([self.urgent()], running, free=self.FULL, releasing=True).preempt == []
 
+    def test_one_is_stopped_when_the_totals_hold_the_run_but_no_node_does(self) -> None:
+        # 2 GPUs free in all, one on each node: a tensor-parallel pair fits neither. The
+        # totals alone would say no preemption is needed, and the run would wait for good.
+        running = [live(f"r{i}", priority=10, need=ask(1), since=LONG_AGO) for i in range(2)]
+        pair = queued("tp", "b", priority=90, need=ask(1, workers=2, group=2))
+        decided = decide([pair], running, free=[{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}])
+        assert len(decided.preempt) == 1
+
     def test_none_if_every_candidate_together_would_not_make_room(self) -> None:
         running = [live(f"r{i}", priority=10, need=ask(1)) for i in range(3)]
         decided = decide([self.urgent(gpus=8)], running, free=self.FULL)

@@ -28,7 +28,7 @@ from app.services.queue import LIVE
 from app.services.scheduling import Ask
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay
-from tests.app.worker_calls import control, worker_headers
+from tests.app.worker_calls import control, post_status, worker_headers
 from tests.factories import run_request
 
 Headers = dict[str, str]
@@ -135,6 +135,22 @@ class TestSubmissionLimits:
         assert [e["field"] for e in report.json()["errors"]] == ["priority"]
 
         assert client.post("/v1/runs", json=body(tmp_path, priority=60), headers=key).is_success
+
+    def test_a_run_that_names_no_priority_gets_the_default_capped_at_max_priority(
+        self, client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
+    ) -> None:
+        # Below the default of 50: without the cap, such a key could only submit by naming
+        # a priority, which OpenAI's clients cannot (nor the validate report below).
+        key = new_key(session_factory, "batch", max_priority=30)
+        request = body(tmp_path)
+        del request["priority"]
+        assert client.post("/v1/runs/validate", json=request, headers=key).json()["valid"]
+        created = client.post("/v1/runs", json=request, headers=key)
+        assert created.status_code == 201, created.text
+        assert stored(session_factory, created.json()["id"]).priority == 30
+        unlimited = new_key(session_factory, "on-call")
+        created = client.post("/v1/runs", json=request, headers=unlimited)
+        assert stored(session_factory, created.json()["id"]).priority == 50
 
     def test_more_gpus_than_max_gpus_is_422(
         self, client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
@@ -601,6 +617,7 @@ class TestPreemption:
             2,
         )
 
+    @pytest.mark.parametrize("ray_says", ["STOPPED", "SUCCEEDED"])
     def test_cancelling_a_preempting_run_still_cancels_it(
         self,
         client: TestClient,
@@ -611,7 +628,10 @@ class TestPreemption:
         low: str,
         urgent_key: Headers,
         sweeps_key: Headers,
+        ray_says: str,
     ) -> None:
+        # STOPPED: the cancel stopped the job. SUCCEEDED: the worker had already stopped at
+        # its checkpoint, and the entry point exited 0 before the stop reached it.
         self.preempt(client, urgent_key, tmp_path, dispatcher)
         worker = worker_headers(ray, low)
         cancelled = client.post(f"/v1/runs/{low}/cancel", headers=sweeps_key)
@@ -625,10 +645,70 @@ class TestPreemption:
             headers=worker,
         )
         assert stored(session_factory, low).status == "cancelling"
-        ray.states[f"{low}-1"] = JobState(status="STOPPED", message="")
+        ray.states[f"{low}-1"] = JobState(status=ray_says, message="")
         dispatcher.reconcile_live_runs()
         run = stored(session_factory, low)
         assert (run.status, run.attempt) == ("cancelled", 1)
+        assert "preempted" not in [e.type for e in events(session_factory, low)]
+
+    def test_an_error_of_the_training_code_while_preempting_fails_the_run(
+        self,
+        client: TestClient,
+        session_factory: sessionmaker[Session],
+        tmp_path: Path,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        low: str,
+        urgent_key: Headers,
+    ) -> None:
+        # The next attempt would meet the same error: it is the run's failure, not a
+        # preemption that no budget counts.
+        self.preempt(client, urgent_key, tmp_path, dispatcher)
+        post_status(
+            client,
+            low,
+            worker_headers(ray, low),
+            "failed",
+            error={
+                "code": "training_error",
+                "message": "worker rank 1: IndexError: index out of range in self",
+            },
+            check=True,
+        )
+        run = stored(session_factory, low)
+        assert (run.status, run.attempt, run.error_code) == ("failed", 1, "training_error")
+
+    def test_the_old_jobs_end_does_not_decide_the_requeued_attempt(
+        self,
+        client: TestClient,
+        session_factory: sessionmaker[Session],
+        tmp_path: Path,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        low: str,
+        urgent_key: Headers,
+    ) -> None:
+        """The reconciler reads the live runs, then asks Ray about each job: the worker's
+        `preempted` can requeue the run in between, and the old job's end then arrives."""
+        self.preempt(client, urgent_key, tmp_path, dispatcher)
+        worker = worker_headers(ray, low)
+        asked = ray.state
+
+        def state_after_the_worker_stopped(submission_id: str) -> JobState | None:
+            if submission_id == f"{low}-1":
+                said = client.post(
+                    f"/v1/internal/runs/{low}/events",
+                    json={"attempt": 1, "type": "preempted", "message": "checkpoint at step 3"},
+                    headers=worker,
+                )
+                assert said.status_code == 200, said.text
+                return JobState(status="FAILED", message="the job's workers were stopped")
+            return asked(submission_id)
+
+        ray.state = state_after_the_worker_stopped  # type: ignore[method-assign]
+        dispatcher.reconcile_live_runs()
+        run = stored(session_factory, low)
+        assert (run.status, run.attempt, run.error_code) == ("queued", 2, None)
 
 
 class TestReplicas:
