@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -569,146 +570,130 @@ class TestPreemption:
             "waiting for cluster resources (needs 2 GPUs + 1 CPU, 0 GPUs + 7 CPUs free)"
         )
 
+    @pytest.fixture
+    def asked(
+        self,
+        client: TestClient,
+        session_factory: sessionmaker[Session],
+        tmp_path: Path,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        low: str,
+        urgent_key: Headers,
+    ) -> Preempting:
+        """The urgent run submitted and decided on: the low run is asked to stop."""
+        self.preempt(client, urgent_key, tmp_path, dispatcher)
+        return Preempting(client, session_factory, dispatcher, ray, low)
+
     @pytest.mark.parametrize("ray_says", ["STOPPED", "SUCCEEDED", "FAILED"])
     def test_a_job_that_ends_while_preempting_is_requeued(
-        self,
-        client: TestClient,
-        session_factory: sessionmaker[Session],
-        tmp_path: Path,
-        dispatcher: Dispatcher,
-        ray: ScriptedRay,
-        low: str,
-        urgent_key: Headers,
-        ray_says: str,
+        self, asked: Preempting, ray_says: str
     ) -> None:
-        self.preempt(client, urgent_key, tmp_path, dispatcher)
         # The worker's `preempted` was lost; Ray says the job ended.
-        ray.states[f"{low}-1"] = JobState(status=ray_says, message="")
-        dispatcher.reconcile_live_runs()
-        run = stored(session_factory, low)
+        asked.ray_says(ray_says)
+        run = asked.run()
         assert (run.status, run.attempt, run.resubmits, run.error_code) == ("queued", 2, 0, None)
         assert run.queue_reason is not None and run.queue_reason.startswith("preempted (")
-        assert [e.type for e in events(session_factory, low)].count("preempted") == 1
+        assert asked.event_types().count("preempted") == 1
 
     def test_a_worker_that_does_not_stop_within_the_grace_is_stopped(
-        self,
-        client: TestClient,
-        session_factory: sessionmaker[Session],
-        tmp_path: Path,
-        dispatcher: Dispatcher,
-        ray: ScriptedRay,
-        low: str,
-        urgent_key: Headers,
+        self, asked: Preempting
     ) -> None:
-        self.preempt(client, urgent_key, tmp_path, dispatcher)
-        dispatcher.reconcile_live_runs()
-        assert ray.stopped == []  # it has its grace period to checkpoint
+        asked.dispatcher.reconcile_live_runs()
+        assert asked.ray.stopped == []  # it has its grace period to checkpoint
 
-        grace = dispatcher.settings.preemption_grace_s
-        backdate(session_factory, low, preempt_requested_at=timedelta(seconds=grace + 60))
-        dispatcher.reconcile_live_runs()
-        assert ray.stopped == [f"{low}-1"]
-        assert any("preemption grace period" in e.message for e in events(session_factory, low))
-
-        ray.states[f"{low}-1"] = JobState(status="STOPPED", message="")
-        dispatcher.reconcile_live_runs()
-        assert (stored(session_factory, low).status, stored(session_factory, low).attempt) == (
-            "queued",
-            2,
+        grace = asked.dispatcher.settings.preemption_grace_s
+        backdate(
+            asked.session_factory, asked.low, preempt_requested_at=timedelta(seconds=grace + 60)
         )
+        asked.dispatcher.reconcile_live_runs()
+        assert asked.ray.stopped == [f"{asked.low}-1"]
+        events_said = [e.message for e in events(asked.session_factory, asked.low)]
+        assert any("preemption grace period" in message for message in events_said)
+
+        asked.ray_says("STOPPED")
+        assert (asked.run().status, asked.run().attempt) == ("queued", 2)
 
     @pytest.mark.parametrize("ray_says", ["STOPPED", "SUCCEEDED"])
     def test_cancelling_a_preempting_run_still_cancels_it(
-        self,
-        client: TestClient,
-        session_factory: sessionmaker[Session],
-        tmp_path: Path,
-        dispatcher: Dispatcher,
-        ray: ScriptedRay,
-        low: str,
-        urgent_key: Headers,
-        sweeps_key: Headers,
-        ray_says: str,
+        self, asked: Preempting, sweeps_key: Headers, ray_says: str
     ) -> None:
         # STOPPED: the cancel stopped the job. SUCCEEDED: the worker had already stopped at
         # its checkpoint, and the entry point exited 0 before the stop reached it.
-        self.preempt(client, urgent_key, tmp_path, dispatcher)
-        worker = worker_headers(ray, low)
+        client, low = asked.client, asked.low
         cancelled = client.post(f"/v1/runs/{low}/cancel", headers=sweeps_key)
         assert cancelled.json()["status"] == "cancelling"
-        assert control(client, low, worker).json() == {"preempt": False}
+        assert control(client, low, asked.worker()).json() == {"preempt": False}
 
         # The worker stops as the preemption asked; the run does not go back to the queue.
-        client.post(
-            f"/v1/internal/runs/{low}/events",
-            json={"attempt": 1, "type": "preempted", "message": "checkpoint saved at step 3"},
-            headers=worker,
-        )
-        assert stored(session_factory, low).status == "cancelling"
-        ray.states[f"{low}-1"] = JobState(status=ray_says, message="")
-        dispatcher.reconcile_live_runs()
-        run = stored(session_factory, low)
-        assert (run.status, run.attempt) == ("cancelled", 1)
-        assert "preempted" not in [e.type for e in events(session_factory, low)]
+        asked.worker_stopped()
+        assert asked.run().status == "cancelling"
+        asked.ray_says(ray_says)
+        assert (asked.run().status, asked.run().attempt) == ("cancelled", 1)
+        assert "preempted" not in asked.event_types()
 
     def test_an_error_of_the_training_code_while_preempting_fails_the_run(
-        self,
-        client: TestClient,
-        session_factory: sessionmaker[Session],
-        tmp_path: Path,
-        dispatcher: Dispatcher,
-        ray: ScriptedRay,
-        low: str,
-        urgent_key: Headers,
+        self, asked: Preempting
     ) -> None:
         # The next attempt would meet the same error: it is the run's failure, not a
         # preemption that no budget counts.
-        self.preempt(client, urgent_key, tmp_path, dispatcher)
-        post_status(
-            client,
-            low,
-            worker_headers(ray, low),
-            "failed",
-            error={
-                "code": "training_error",
-                "message": "worker rank 1: IndexError: index out of range in self",
-            },
-            check=True,
-        )
-        run = stored(session_factory, low)
+        error = {
+            "code": "training_error",
+            "message": "worker rank 1: IndexError: index out of range in self",
+        }
+        post_status(asked.client, asked.low, asked.worker(), "failed", error=error, check=True)
+        run = asked.run()
         assert (run.status, run.attempt, run.error_code) == ("failed", 1, "training_error")
 
-    def test_the_old_jobs_end_does_not_decide_the_requeued_attempt(
-        self,
-        client: TestClient,
-        session_factory: sessionmaker[Session],
-        tmp_path: Path,
-        dispatcher: Dispatcher,
-        ray: ScriptedRay,
-        low: str,
-        urgent_key: Headers,
-    ) -> None:
+    def test_the_old_jobs_end_does_not_decide_the_requeued_attempt(self, asked: Preempting) -> None:
         """The reconciler reads the live runs, then asks Ray about each job: the worker's
         `preempted` can requeue the run in between, and the old job's end then arrives."""
-        self.preempt(client, urgent_key, tmp_path, dispatcher)
-        worker = worker_headers(ray, low)
-        asked = ray.state
+        ray_state = asked.ray.state
 
         def state_after_the_worker_stopped(submission_id: str) -> JobState | None:
-            if submission_id == f"{low}-1":
-                said = client.post(
-                    f"/v1/internal/runs/{low}/events",
-                    json={"attempt": 1, "type": "preempted", "message": "checkpoint at step 3"},
-                    headers=worker,
-                )
-                assert said.status_code == 200, said.text
+            if submission_id == f"{asked.low}-1":
+                asked.worker_stopped()
                 return JobState(status="FAILED", message="the job's workers were stopped")
-            return asked(submission_id)
+            return ray_state(submission_id)
 
-        ray.state = state_after_the_worker_stopped  # type: ignore[method-assign]
-        dispatcher.reconcile_live_runs()
-        run = stored(session_factory, low)
+        asked.ray.state = state_after_the_worker_stopped  # type: ignore[method-assign]
+        asked.dispatcher.reconcile_live_runs()
+        run = asked.run()
         assert (run.status, run.attempt, run.error_code) == ("queued", 2, None)
+
+
+@dataclass
+class Preempting:
+    """The low run of TestPreemption asked to checkpoint and stop, and what drives it."""
+
+    client: TestClient
+    session_factory: sessionmaker[Session]
+    dispatcher: Dispatcher
+    ray: ScriptedRay
+    low: str
+
+    def run(self) -> Run:
+        return stored(self.session_factory, self.low)
+
+    def worker(self) -> Headers:
+        return worker_headers(self.ray, self.low)
+
+    def event_types(self) -> list[str]:
+        return [e.type for e in events(self.session_factory, self.low)]
+
+    def worker_stopped(self) -> None:
+        """The worker saved its checkpoint at step 3 and says so, as it does."""
+        said = self.client.post(
+            f"/v1/internal/runs/{self.low}/events",
+            json={"attempt": 1, "type": "preempted", "message": "checkpoint saved at step 3"},
+            headers=self.worker(),
+        )
+        assert said.status_code == 200, said.text
+
+    def ray_says(self, status: str) -> None:
+        """Ray's view of the attempt's job, as the reconciler next reads it."""
+        self.ray.states[f"{self.low}-1"] = JobState(status=status, message="")
+        self.dispatcher.reconcile_live_runs()
 
 
 class TestReplicas:
