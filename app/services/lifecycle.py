@@ -440,6 +440,12 @@ def apply_ray_state(
     """Settle what callbacks missed, from Ray's view of the run's job (`ray_status` is
     Ray's JobStatus, None when Ray has never heard of the job)."""
     cancelling = run.run_status == RunStatus.CANCELLING
+    trained_out = run.total_steps is not None and run.step >= run.total_steps
+    if preempting(run) and ray_status == "SUCCEEDED" and trained_out:
+        # It trained its last step (never preempted: a run there simply finishes) and
+        # exported; its own "succeeded" was lost.
+        settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+        return RayVerdict.NOTHING
     if preempting(run) and ray_status in (None, "FAILED", "STOPPED", "SUCCEEDED"):
         # The job ended while asked to stop; the worker's own word was lost, or it never
         # got to say it. (A run that trained its last step first said "succeeded".)

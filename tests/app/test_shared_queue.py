@@ -596,6 +596,14 @@ class TestPreemption:
         assert run.queue_reason is not None and run.queue_reason.startswith("preempted (")
         assert asked.event_types().count("preempted") == 1
 
+    def test_a_job_that_trained_its_last_step_while_asked_succeeds(self, asked: Preempting) -> None:
+        # The last step is never preempted: the run finished and exported, and its own
+        # "succeeded" was lost. Requeued, it would start again only to export again.
+        asked.worker_progress(step=5, total_steps=5)
+        asked.ray_says("SUCCEEDED")
+        assert (asked.run().status, asked.run().attempt) == ("succeeded", 1)
+        assert "preempted" not in asked.event_types()
+
     def test_a_worker_that_does_not_stop_within_the_grace_is_stopped(
         self, asked: Preempting
     ) -> None:
@@ -686,6 +694,18 @@ class Preempting:
         said = self.client.post(
             f"/v1/internal/runs/{self.low}/events",
             json={"attempt": 1, "type": "preempted", "message": "checkpoint saved at step 3"},
+            headers=self.worker(),
+        )
+        assert said.status_code == 200, said.text
+
+    def worker_progress(self, *, step: int, total_steps: int) -> None:
+        said = self.client.post(
+            f"/v1/internal/runs/{self.low}/metrics",
+            json={
+                "attempt": 1,
+                "points": [],
+                "progress": {"step": step, "total_steps": total_steps},
+            },
             headers=self.worker(),
         )
         assert said.status_code == 200, said.text
