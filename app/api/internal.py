@@ -6,6 +6,7 @@ import functools
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Security
+from sqlalchemy.orm import Session
 
 from app.api.deps import MetricsDep, SessionDep, bearer_token, run_in_read_session
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
@@ -142,15 +143,22 @@ def post_event(
     summary="Worker: whether the scheduler asks this attempt to checkpoint and stop",
     responses=_errors,
 )
-def get_control(
+async def get_control(
     run_id: str,
     attempt: Annotated[int, Query(ge=1, le=INT32_MAX)],
     token_hash: VerifiedToken,
-    session: SessionDep,
+    request: Request,
 ) -> dict:
     """Polled by the attempt's worker (every TUNEYARD_PREEMPTION_POLL_S): when preempted, it
-    saves a checkpoint at the step it is on, stops, and posts the `preempted` event."""
-    run = callbacks.authorize_worker(session, run_id=run_id, token_hash=token_hash, attempt=attempt)
-    if lifecycle.preempting(run):
-        return {"preempt": True, "reason": run.preempt_reason or ""}
-    return {"preempt": False}
+    saves a checkpoint at the step it is on, stops, and posts the `preempted` event. A read
+    session: every live run polls, and none of it may queue for SQLite's write lock."""
+
+    def read(session: Session) -> dict:
+        run = callbacks.authorize_worker(
+            session, run_id=run_id, token_hash=token_hash, attempt=attempt, lock=False
+        )
+        if lifecycle.preempting(run):
+            return {"preempt": True, "reason": run.preempt_reason or ""}
+        return {"preempt": False}
+
+    return await run_in_read_session(request, read)

@@ -44,15 +44,17 @@ def verify_token(token: str | None, token_hash: str | None) -> str:
     return token_hash
 
 
-def authorize_worker(session: Session, *, run_id: str, token_hash: str, attempt: int) -> Run:
+def authorize_worker(
+    session: Session, *, run_id: str, token_hash: str, attempt: int, lock: bool = True
+) -> Run:
     """The run, locked for this request's write, once `verify_token` accepted the token in
     a read of its own (before this write session, and SQLite's write lock, were taken).
     Checked again under the lock: a new attempt, or the run's end, may have replaced the
-    token meanwhile.
+    token meanwhile. `lock=False`: for a request that only reads (in a read session).
 
     A run's token is good for that run's current attempt only, and only while it is live.
     """
-    run = session.get(Run, run_id, with_for_update=True)
+    run = session.get(Run, run_id, with_for_update=lock)
     if (
         run is None
         or run.callback_token_hash is None

@@ -187,3 +187,27 @@ class TestBadTokensTakeNoWriteLock:
             assert answer.result(timeout=10).status_code == 200
         data = client.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
         assert [(m["step"], m["value"]) for m in data] == [(1, 1.0)]
+
+    def test_a_control_poll_reads_while_a_write_holds_the_lock(
+        self,
+        client: TestClient,
+        database_url: str,
+        session_factory: sessionmaker[Session],
+        started: tuple[str, dict[str, str]],
+    ) -> None:
+        """Every live run's worker polls for preemption: a read, which must not wait for a
+        write that holds the run (its row lock on PostgreSQL, which the poll took too)."""
+        run_id, worker = started
+        with (
+            ThreadPoolExecutor(max_workers=1) as pool,
+            self._writer_holding(client, database_url, session_factory, run_id),
+        ):
+            answer = pool.submit(
+                client.get,
+                f"/v1/internal/runs/{run_id}/control",
+                params={"attempt": 1},
+                headers=worker,
+            )
+            # Before: it locked the run's row (FOR UPDATE) and answered after the write.
+            reply = answer.result(timeout=5)
+        assert (reply.status_code, reply.json()) == (200, {"preempt": False})
