@@ -142,29 +142,48 @@ def redact_url(url: str | None) -> str | None:
     return None if url is None else redact(url)
 
 
-def _known_secrets() -> list[str]:
+def _known_secrets() -> tuple[str, ...]:
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    mtime_ns = _mtime_ns(path) if path else None
+    fingerprint = _environment_fingerprint()
+    if fingerprint is None:
+        return _collect_secrets(path, mtime_ns)
+    return _cached_secrets(fingerprint, path, mtime_ns)
+
+
+def _environment_fingerprint() -> int | None:
+    """A hash of the environment as it is now. Redaction runs on every log line (an access
+    line per request): reading the secrets out of the whole environment each time, with a
+    str decode per variable, cost more than the rest of the line. CPython keeps the raw
+    bytes mapping behind os.environ; hashing it is cheap, and changes with any variable.
+    None elsewhere: then nothing is cached."""
+    raw = getattr(os.environ, "_data", None)
+    return hash(frozenset(raw.items())) if isinstance(raw, dict) else None
+
+
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_secrets(
+    fingerprint: int, token_path: str | None, token_mtime_ns: int | None
+) -> tuple[str, ...]:
+    """`_collect_secrets` for one version of the environment and of Ray's token file: the
+    arguments are the cache's key."""
+    return _collect_secrets(token_path, token_mtime_ns)
+
+
+def _collect_secrets(token_path: str | None, token_mtime_ns: int | None) -> tuple[str, ...]:
     variables = dict(os.environ)
     with contextlib.suppress(ValueError, TypeError, AttributeError):
         variables.update(json.loads(os.environ.get("TUNEYARD_JOB_ENV") or "{}"))
     secrets = [str(v) for name, v in variables.items() if _SECRET_NAME.search(name)]
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:
-        secrets.append(_file_secret(path))
+    if token_path and token_mtime_ns is not None:
+        with contextlib.suppress(OSError):
+            secrets.append(Path(token_path).read_text().strip())
     # Longest first: a secret that contains another is replaced whole.
-    return sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
-
-
-def _file_secret(path: str) -> str:
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return ""
-    return _read_secret(path, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _read_secret(path: str, mtime_ns: int) -> str:
-    """Read once per version of the file: redaction runs on every log line."""
-    with contextlib.suppress(OSError):
-        return Path(path).read_text().strip()
-    return ""
+    return tuple(sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True))

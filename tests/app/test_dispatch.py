@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -498,6 +500,28 @@ class TestJobEnvironment:
         monkeypatch.setenv("TUNEYARD_JOB_ENV", '{"WANDB_API_KEY": "wandb_configured_secret"}')
         logged = redact("token=hf_forwarded_secret key=wandb_configured_secret iface=enp0s31f6")
         assert logged == "token=[redacted] key=[redacted] iface=enp0s31f6"
+
+    def test_a_secret_set_or_changed_after_a_redaction_is_redacted_too(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        # The secrets are read once per version of the environment and of Ray's token file
+        # (every log line is redacted), never kept past a change of either.
+        assert redact("s=later_set_secret") == "s=later_set_secret"
+        monkeypatch.setenv("LATER_TOKEN", "later_set_secret")
+        assert redact("s=later_set_secret") == "s=[redacted]"
+        monkeypatch.setenv("LATER_TOKEN", "changed_secret_value")
+        assert redact("s=later_set_secret s=changed_secret_value") == (
+            "s=later_set_secret s=[redacted]"
+        )
+        token = tmp_path / "auth_token"
+        token.write_text("ray_token_version_1")
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+        assert redact("ray_token_version_1") == "[redacted]"
+        token.write_text("ray_token_version_2")
+        os.utime(token, ns=(time.time_ns(), time.time_ns() + 10**9))
+        assert redact("ray_token_version_1 ray_token_version_2") == (
+            "ray_token_version_1 [redacted]"
+        )
 
 
 class TestRunTokens:
