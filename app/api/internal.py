@@ -120,14 +120,10 @@ def post_event(
         session.flush()
         metrics.callbacks.labels("event").inc()
         return {"id": None}
-    if body.type == "preempted":
-        # Stopped at a checkpoint for a preemption the run no longer waits on (it was
-        # cancelled meanwhile): a note, not a `preempted` event; the cancel settles it.
-        event = record_event(session, run, type="message", message=body.message)
-        session.flush()
-        metrics.callbacks.labels("event").inc()
-        return {"id": event.id}
-    event = record_event(session, run, type=body.type, message=body.message)
+    # A `preempted` left here stopped for a preemption the run no longer waits on (it was
+    # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
+    kind = "message" if body.type == "preempted" else body.type
+    event = record_event(session, run, type=kind, message=body.message)
     if body.type == "early_stopped":
         run_result.record_early_stop(run, body.message)
     # Once per early stop: a worker repeating its post is counted on the same event row.

@@ -43,7 +43,7 @@ _NOT_DONE = ('queued', 'starting', 'running', 'cancelling')
 def _backfill_gpus() -> None:
     """Runs already queued or live ask for the GPUs their spec says (the rule of
     app/services/scheduling.Ask, frozen here as of this revision), not the column's 0:
-    quotas, fair share and a resume's max_gpus check read the column."""
+    quotas and fair share read the column. (A resume checks max_gpus against the spec.)"""
     runs = sa.table('runs', sa.column('id', sa.String), sa.column('status', sa.String),
                     sa.column('spec', sa.JSON), sa.column('gpus', sa.Integer))
     conn = op.get_bind()

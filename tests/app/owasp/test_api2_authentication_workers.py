@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -140,6 +141,22 @@ class TestBadTokensTakeNoWriteLock:
                 finally:
                     session.rollback()
 
+    def _answer_while_held(
+        self,
+        client: TestClient,
+        database_url: str,
+        session_factory: sessionmaker[Session],
+        run_id: str,
+        send: Callable[[], httpx.Response],
+    ) -> httpx.Response:
+        """What `send` gets back while a write holds the run: within 5 s, so an answer that
+        queued behind the write fails the test."""
+        with (
+            ThreadPoolExecutor(max_workers=1) as pool,
+            self._writer_holding(client, database_url, session_factory, run_id),
+        ):
+            return pool.submit(send).result(timeout=5)
+
     @pytest.mark.parametrize("route", ["status", "metrics"])
     def test_a_bad_token_is_refused_while_a_write_holds_the_lock(
         self,
@@ -150,19 +167,17 @@ class TestBadTokensTakeNoWriteLock:
         route: str,
     ) -> None:
         run_id, _ = started
-        with (
-            ThreadPoolExecutor(max_workers=1) as pool,
-            self._writer_holding(client, database_url, session_factory, run_id),
-        ):
-            answer = pool.submit(
-                client.post,
-                f"/v1/internal/runs/{run_id}/{route}",
-                json=BODIES[route],
-                headers=BAD_TOKEN,
-            )
-            # Before: the post queued behind the write and answered only after it.
-            status = answer.result(timeout=5).status_code
-        assert status == 401
+        # Before: the post queued behind the write and answered only after it.
+        reply = self._answer_while_held(
+            client,
+            database_url,
+            session_factory,
+            run_id,
+            lambda: client.post(
+                f"/v1/internal/runs/{run_id}/{route}", json=BODIES[route], headers=BAD_TOKEN
+            ),
+        )
+        assert reply.status_code == 401
 
     def test_a_good_token_still_waits_its_turn_and_writes(
         self,
@@ -198,16 +213,14 @@ class TestBadTokensTakeNoWriteLock:
         """Every live run's worker polls for preemption: a read, which must not wait for a
         write that holds the run (its row lock on PostgreSQL, which the poll took too)."""
         run_id, worker = started
-        with (
-            ThreadPoolExecutor(max_workers=1) as pool,
-            self._writer_holding(client, database_url, session_factory, run_id),
-        ):
-            answer = pool.submit(
-                client.get,
-                f"/v1/internal/runs/{run_id}/control",
-                params={"attempt": 1},
-                headers=worker,
-            )
-            # Before: it locked the run's row (FOR UPDATE) and answered after the write.
-            reply = answer.result(timeout=5)
+        # Before: it locked the run's row (FOR UPDATE) and answered after the write.
+        reply = self._answer_while_held(
+            client,
+            database_url,
+            session_factory,
+            run_id,
+            lambda: client.get(
+                f"/v1/internal/runs/{run_id}/control", params={"attempt": 1}, headers=worker
+            ),
+        )
         assert (reply.status_code, reply.json()) == (200, {"preempt": False})
