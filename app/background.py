@@ -25,6 +25,11 @@ class TickLoop:
     def tick(self) -> Any:
         raise NotImplementedError
 
+    def rest_s(self) -> float:
+        """How long to rest after a tick before the next, woken or not (a wake meanwhile is
+        kept for then)."""
+        return 0.0
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -44,5 +49,8 @@ class TickLoop:
                 self.tick()
             except Exception:
                 log.exception("%s: tick failed; retrying", self.name)
+            rest = self.rest_s()
+            if rest > 0 and self._stop.wait(rest):
+                break
             self._wake.wait(self.interval_s)
             self._wake.clear()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
 
 # Writers wait this long for SQLite's lock instead of failing with "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -104,3 +108,43 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def write_in_transaction(factory: sessionmaker[Session], write: Callable[[Session], T]) -> T:
+    """`write(session)`, then commit; roll back if it raises."""
+    with transaction(factory) as session:
+        return write(session)
+
+
+def write_if_unlocked(
+    factory: sessionmaker[Session], write: Callable[[Session], T]
+) -> tuple[bool, T | None]:
+    """SQLite: `write_in_transaction` if the database's write lock can be had at once, and
+    (True, its result); (False, None), with nothing done, if another connection holds it.
+    For a caller that must not wait for the lock where it is (the event loop)."""
+    engine: Engine = factory.kw["bind"]
+    with engine.connect() as connection:
+        driver = connection.connection.driver_connection
+        assert driver is not None
+        driver.execute("PRAGMA busy_timeout=0")
+        try:
+            with factory(bind=connection) as session:
+                try:
+                    session.connection()  # BEGIN IMMEDIATE (see make_engine), or "locked"
+                except (OperationalError, sqlite3.OperationalError) as exc:
+                    # The begin listener's own error comes unwrapped.
+                    if "database is locked" in str(exc):
+                        return False, None
+                    raise
+                # Held: nothing below waits for the lock, and the connection goes back to
+                # the pool as it came.
+                driver.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+                try:
+                    result = write(session)
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
+                return True, result
+        finally:
+            driver.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")

@@ -63,6 +63,9 @@ ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
 MAX_RAY_BACKOFF_S = 30.0
+# How long the dispatcher rests after a scheduling pass, as a multiple of the pass: passes
+# then hold the write lock at most a fifth of the time (see dispatch_queued_runs).
+SCHEDULE_REST_FACTOR = 4.0
 # How long the queue waits for a Ray that answers but has reported no node's usage yet.
 USAGE_WAIT_S = 30.0
 LOG_TAIL_LINES = 20
@@ -145,7 +148,11 @@ class Dispatcher(TickLoop):
         # While Ray is unreachable, queued runs wait this long between tries (doubling).
         self._ray_backoff_s = 0.0
         self._ray_retry_at = 0.0
+        self._schedule_rest_until = 0.0
         super().__init__(interval_s=settings.dispatch_interval_s)
+
+    def rest_s(self) -> float:
+        return max(0.0, self._schedule_rest_until - time.monotonic())
 
     def tick(self) -> None:
         started = time.perf_counter()
@@ -180,8 +187,14 @@ class Dispatcher(TickLoop):
                 for run_id, queued_at in admitted
                 if (claim := self._claim(session, run_id, queued_at)) is not None
             ]
+        took = time.perf_counter() - started
+        # A pass holds the database's write lock (SQLite's is the whole service's) while it
+        # ranks the queue; every create wakes one. Resting SCHEDULE_REST_FACTOR times as
+        # long after each keeps a burst of creates over a long queue from holding it most
+        # of the time, and costs nothing while passes are short.
+        self._schedule_rest_until = time.monotonic() + SCHEDULE_REST_FACTOR * took
         if self.metrics is not None:
-            self.metrics.schedule_duration.observe(time.perf_counter() - started)
+            self.metrics.schedule_duration.observe(took)
         dispatched = 0
         for run_id, sid, runtime_env, queued_at in claimed:
             if time.monotonic() < self._ray_retry_at:

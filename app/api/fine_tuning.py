@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Path, Query, Request, Security
+from fastapi import APIRouter, BackgroundTasks, Path, Query, Request, Response, Security
 from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,8 @@ from app.api.deps import (
     SessionDep,
     SettingsDep,
     read_as_caller,
+    run_in_read_session,
+    run_in_write_session,
 )
 from app.ray_jobs import try_stop
 from app.schemas.errors import error_responses
@@ -33,6 +35,7 @@ from app.schemas.openai_shapes import (
     JobPage,
     OpenAIError,
 )
+from app.schemas.run_view import json_response
 from app.schemas.security_schemes import api_key
 from app.services import lifecycle, openai_jobs, runs
 from contract.bounds import refuse_nul
@@ -84,25 +87,32 @@ def _metadata_filter(request: Request) -> dict[str, str]:
     description=openai_jobs.__doc__,
     responses=_errors(400, 401, 429),
 )
-def create_fine_tuning_job(
+async def create_fine_tuning_job(
     body: JobCreate,
-    session: SessionDep,
+    request: Request,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     cluster: ClusterDep,
-    background: BackgroundTasks,
-) -> Job:
-    run = openai_jobs.create_job(
-        session,
-        job=body,
-        owner_id=principal.id,
-        allowed_roots=settings.resolved_allowed_roots,
-        cluster=cluster,
+) -> Response:
+    # As POST /v1/runs: the checks that read files first, then the insert alone.
+    new = await run_in_read_session(
+        request,
+        lambda session: openai_jobs.prepare_job(
+            session,
+            job=body,
+            owner_id=principal.id,
+            allowed_roots=settings.resolved_allowed_roots,
+            cluster=cluster,
+        ),
+        blocking=True,
+    )
+    run = await run_in_write_session(
+        request, lambda session: openai_jobs.store_job(session, new, job=body)
     )
     if dispatcher is not None:
-        background.add_task(dispatcher.wake)
-    return openai_jobs.job_view(run, trained_tokens=None)
+        dispatcher.wake()  # committed: dispatch now, not at the dispatcher's next tick
+    return json_response(openai_jobs.job_view(run, trained_tokens=None))
 
 
 @router.get(

@@ -8,7 +8,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Security
 from sqlalchemy.orm import Session
 
-from app.api.deps import MetricsDep, SessionDep, bearer_token, run_in_read_session
+from app.api.deps import (
+    MetricsDep,
+    bearer_token,
+    run_in_read_session,
+    run_in_write_session,
+)
 from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
@@ -19,9 +24,9 @@ from contract.bounds import INT32_MAX
 
 
 async def verified_token(run_id: str, request: Request) -> str:
-    """The hash of the run's token, once the request's token matched it. A dependency that
-    every route declares before `SessionDep`: a wrong token is refused after one read, and
-    never takes a write session (on SQLite, the one write lock that every writer queues for).
+    """The hash of the run's token, once the request's token matched it. A dependency of
+    every route, solved before the route writes: a wrong token is refused after one read,
+    and never takes a write session (on SQLite, the one write lock every writer queues for).
     """
     stored = await run_in_read_session(
         request, functools.partial(callbacks.read_token_hash, run_id=run_id)
@@ -29,7 +34,6 @@ async def verified_token(run_id: str, request: Request) -> str:
     return callbacks.verify_token(bearer_token(request), stored)
 
 
-# Declared before SessionDep in each route: FastAPI solves dependencies in that order.
 VerifiedToken = Annotated[str, Depends(verified_token)]
 
 # Served, but not in the public OpenAPI document: only tuneyard's own worker calls these
@@ -52,86 +56,95 @@ _errors = error_responses(
 )
 
 
+# Each post is one write trip (`run_in_write_session`): the token was checked by a read
+# before it, and nothing in it reads a file, so SQLite's write lock is held for the writes.
+
+
 @router.post("/{run_id}/status", summary="Worker: report a status change", responses=_errors)
-def post_status(
-    run_id: str,
-    body: StatusPost,
-    token_hash: VerifiedToken,
-    session: SessionDep,
-    metrics: MetricsDep,
+async def post_status(
+    run_id: str, body: StatusPost, token_hash: VerifiedToken, request: Request, metrics: MetricsDep
 ) -> dict:
-    run = callbacks.authorize_worker(
-        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
-    )
-    callbacks.apply_status(session, run, body)
+    def write(session: Session) -> dict:
+        run = callbacks.authorize_worker(
+            session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
+        )
+        callbacks.apply_status(session, run, body)
+        return {"status": run.status}
+
+    answer = await run_in_write_session(request, write)
     metrics.callbacks.labels("status").inc()
-    return {"status": run.status}
+    return answer
 
 
 @router.post("/{run_id}/metrics", summary="Worker: post a batch of metrics", responses=_errors)
-def post_metrics(
+async def post_metrics(
     run_id: str,
     body: MetricsPost,
     token_hash: VerifiedToken,
-    session: SessionDep,
+    request: Request,
     metrics: MetricsDep,
 ) -> dict:
-    run = callbacks.authorize_worker(
-        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
-    )
-    stored = callbacks.store_metrics(session, run, body)
+    def write(session: Session) -> int:
+        run = callbacks.authorize_worker(
+            session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
+        )
+        return callbacks.store_metrics(session, run, body)
+
+    stored = await run_in_write_session(request, write)
     metrics.callbacks.labels("metrics").inc()
     metrics.metric_points.inc(stored)
     return {"stored": stored}
 
 
 @router.post("/{run_id}/checkpoints", summary="Worker: record a checkpoint", responses=_errors)
-def post_checkpoint(
+async def post_checkpoint(
     run_id: str,
     body: CheckpointPost,
     token_hash: VerifiedToken,
-    session: SessionDep,
+    request: Request,
     metrics: MetricsDep,
 ) -> dict:
-    run = callbacks.authorize_worker(
-        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
-    )
-    checkpoint = callbacks.store_checkpoint(session, run, body)
+    def write(session: Session) -> dict:
+        run = callbacks.authorize_worker(
+            session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
+        )
+        return {"id": callbacks.store_checkpoint(session, run, body).id}
+
+    answer = await run_in_write_session(request, write)
     metrics.callbacks.labels("checkpoint").inc()
-    return {"id": checkpoint.id}
+    return answer
 
 
 @router.post(
     "/{run_id}/events", summary="Worker: record something that happened", responses=_errors
 )
-def post_event(
-    run_id: str,
-    body: EventPost,
-    token_hash: VerifiedToken,
-    session: SessionDep,
-    metrics: MetricsDep,
+async def post_event(
+    run_id: str, body: EventPost, token_hash: VerifiedToken, request: Request, metrics: MetricsDep
 ) -> dict:
-    run = callbacks.authorize_worker(
-        session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
-    )
-    if body.type == "preempted" and lifecycle.preempting(run):
-        # The worker saved its checkpoint and is stopping: the run goes back to the queue.
-        lifecycle.requeue_preempted(session, run, how=f"the worker said: {body.message}")
+    def write(session: Session) -> dict:
+        run = callbacks.authorize_worker(
+            session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
+        )
+        if body.type == "preempted" and lifecycle.preempting(run):
+            # The worker saved its checkpoint and is stopping: the run goes back to the queue.
+            lifecycle.requeue_preempted(session, run, how=f"the worker said: {body.message}")
+            session.flush()
+            return {"id": None}
+        # A `preempted` left here stopped for a preemption the run no longer waits on (it was
+        # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
+        kind = "message" if body.type == "preempted" else body.type
+        event = record_event(session, run, type=kind, message=body.message)
+        if body.type == "early_stopped":
+            run_result.record_early_stop(run, body.message)
+        # Once per early stop: a worker repeating its post is counted on the same event row.
+        if body.type == "early_stopped" and event.repeats == 1:
+            enqueue_webhooks(session, run, "run.early_stopped", {"message": event.message})
         session.flush()
-        metrics.callbacks.labels("event").inc()
-        return {"id": None}
-    # A `preempted` left here stopped for a preemption the run no longer waits on (it was
-    # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
-    kind = "message" if body.type == "preempted" else body.type
-    event = record_event(session, run, type=kind, message=body.message)
-    if body.type == "early_stopped":
-        run_result.record_early_stop(run, body.message)
-    # Once per early stop: a worker repeating its post is counted on the same event row.
-    if body.type == "early_stopped" and event.repeats == 1:
-        enqueue_webhooks(session, run, "run.early_stopped", {"message": event.message})
-    session.flush()
+        return {"id": event.id}
+
+    answer = await run_in_write_session(request, write)
     metrics.callbacks.labels("event").inc()
-    return {"id": event.id}
+    return answer
 
 
 @router.get(

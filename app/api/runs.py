@@ -32,6 +32,7 @@ from app.api.deps import (
     SettingsDep,
     read_as_caller,
     run_in_read_session,
+    run_in_write_session,
 )
 from app.ray_jobs import try_stop
 from app.schemas.errors import error_responses
@@ -107,15 +108,13 @@ Cursor = Annotated[
         ),
     },
 )
-def create_run(
+async def create_run(
     body: Annotated[RunRequest, Body(openapi_examples=RUN_REQUEST_EXAMPLES)],
-    response: Response,
-    session: SessionDep,
+    request: Request,
     settings: SettingsDep,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     cluster: ClusterDep,
-    background: BackgroundTasks,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -124,21 +123,30 @@ def create_run(
             "the same key with another body is refused (409).",
         ),
     ] = None,
-) -> RunView:
-    run, created = runs.create_run(
-        session,
-        request=body,
-        owner_id=principal.id,
-        allowed_roots=settings.resolved_allowed_roots,
-        idempotency_key=idempotency_key,
-        cluster=cluster,
+) -> Response:
+    # The checks that read files and the cluster first, on a read session; then the insert
+    # alone in a write transaction (see runs.prepare_run).
+    new = await run_in_read_session(
+        request,
+        lambda session: runs.prepare_run(
+            session,
+            request=body,
+            owner_id=principal.id,
+            allowed_roots=settings.resolved_allowed_roots,
+            idempotency_key=idempotency_key,
+            cluster=cluster,
+        ),
+        blocking=True,
     )
-    if not created:
-        response.status_code = status.HTTP_200_OK
-    # Background tasks run after the commit: wake the dispatcher now, not at its next tick.
+
+    run, created = await run_in_write_session(request, lambda session: runs.store_run(session, new))
     if dispatcher is not None and created:
-        background.add_task(dispatcher.wake)
-    return RunView.of(run, queue_position=runs.queue_position(session, run))
+        dispatcher.wake()  # committed: dispatch now, not at the dispatcher's next tick
+    # Its place in the queue on a read of its own: it ranks the whole queue, which no writer
+    # needs to wait for.
+    position = await run_in_read_session(request, lambda session: runs.queue_position(session, run))
+    view = RunView.of(run, queue_position=position)
+    return json_response(view, status_code=201 if created else 200)
 
 
 @router.post(

@@ -17,7 +17,8 @@ What OpenAI's names resolve to, documented in the README and the OpenAPI documen
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -84,27 +85,32 @@ _STATUS = {
 }
 
 
-def create_job(
+def prepare_job(
     session: Session,
     *,
     job: JobCreate,
     owner_id: str,
     allowed_roots: Sequence[Path],
     cluster: ClusterView | None,
-) -> Run:
-    """The run for an OpenAI job request; every problem raised at once, named by the
-    request's own parameter, with nothing stored."""
+) -> runs.NewRun:
+    """The run for an OpenAI job request, checked on a read session (`runs.prepare_run`);
+    every problem raised at once, named by the request's own parameter."""
     request = run_request_for(session, job, owner_id=owner_id)
-    try:
-        run, _ = runs.create_run(
+    with _named_as_params():
+        return runs.prepare_run(
             session,
             request=request,
             owner_id=owner_id,
             allowed_roots=allowed_roots,
             cluster=cluster,
         )
-    except ValidationFailed as exc:
-        raise ValidationFailed([_as_param(p) for p in exc.detail]) from exc
+
+
+def store_job(session: Session, new: runs.NewRun, *, job: JobCreate) -> Run:
+    """`runs.store_run` for a job that `prepare_job` checked, with nothing stored when it
+    fails."""
+    with _named_as_params():
+        run, _ = runs.store_run(session, new)
     run.openai_job = {
         "model": job.model,
         "training_file": job.training_file,
@@ -112,6 +118,14 @@ def create_job(
         "suffix": job.suffix,
     }
     return run
+
+
+@contextmanager
+def _named_as_params() -> Iterator[None]:
+    try:
+        yield
+    except ValidationFailed as exc:
+        raise ValidationFailed([_as_param(p) for p in exc.detail]) from exc
 
 
 def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRequest:

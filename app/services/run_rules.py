@@ -423,6 +423,20 @@ def _check_source(
     checked.problems.extend(sampled_record_problems(path, request, field=name))
 
 
+def uploads_gone(session: Session, request: RunRequest, *, owner_id: str) -> list[Problem]:
+    """The uploaded files the request reads that are no longer there: checked again when
+    the run is stored, since its files were checked on a read before (a delete in between
+    found no run reading them). A lookup by key each, no file I/O."""
+    problems = []
+    for key in ("source", "eval_source"):
+        source = getattr(request.dataset, key)
+        if source is not None and is_uploaded(source):
+            upload = session.get(File, source)
+            if upload is None or upload.owner_id != owner_id:
+                problems.append(field_problem(f"dataset.{key}", f"no uploaded file {source!r}"))
+    return problems
+
+
 # Records of a local chat or preference file read at validation: enough to catch a file of
 # the wrong shape at once, while a large file still validates in well under a second. An
 # upload is checked whole when it arrives (app/services/files.py).

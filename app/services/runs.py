@@ -29,7 +29,7 @@ from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
 from app.services import estimates, lifecycle, queue
 from app.services.placement import ClusterView
-from app.services.run_rules import check_run_request
+from app.services.run_rules import CheckedRequest, check_run_request, uploads_gone
 from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
 from contract.storage import Storage
@@ -37,7 +37,19 @@ from contract.storage import Storage
 MAX_PAGE = 100
 
 
-def create_run(
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """A run request checked, ready to store (`prepare_run`, then `store_run`)."""
+
+    request: RunRequest
+    owner_id: str
+    request_hash: str
+    idempotency_key: str | None
+    # None when an earlier run with the same Idempotency-Key answers the request.
+    checked: CheckedRequest | None
+
+
+def prepare_run(
     session: Session,
     *,
     request: RunRequest,
@@ -45,41 +57,64 @@ def create_run(
     allowed_roots: Sequence[Path],
     idempotency_key: str | None = None,
     cluster: ClusterView | None = None,
-) -> tuple[Run, bool]:
-    """The new run and True; or, for a repeated Idempotency-Key, the earlier run and False.
-    With `cluster`, a run its nodes can never place is refused too."""
+) -> NewRun:
+    """Every check of a new run that reads files (the model's config, the dataset) or the
+    cluster, on a read session: the caller does this before `store_run`'s transaction, so
+    that none of that I/O holds a write lock (SQLite's is one for the whole service).
+    Raises ValidationFailed naming every problem."""
     request_hash = _request_hash(request)
-    if idempotency_key is not None:
-        earlier = _find_idempotent(session, owner_id, idempotency_key, request_hash)
+    repeat = idempotency_key is not None and (
+        _find_idempotent(session, owner_id, idempotency_key, request_hash) is not None
+    )
+    checked = None
+    if not repeat:
+        checked = check_run_request(
+            session, request, owner_id=owner_id, allowed_roots=allowed_roots
+        )
+        if cluster is not None:
+            checked.problems.extend(
+                cluster.problems(
+                    request.resources, tensor_parallel_size=request.deepspeed.tensor_parallel_size
+                )
+            )
+        if checked.problems:
+            raise ValidationFailed(checked.problems)
+    return NewRun(request, owner_id, request_hash, idempotency_key, checked)
+
+
+def store_run(session: Session, new: NewRun) -> tuple[Run, bool]:
+    """The new run and True; or, for a repeated Idempotency-Key, the earlier run and False.
+    What could change since `prepare_run` is checked again here, under the write: the
+    key's quotas, the Idempotency-Key, and that the uploaded files it reads still exist."""
+    if new.idempotency_key is not None:
+        earlier = _find_idempotent(session, new.owner_id, new.idempotency_key, new.request_hash)
         if earlier is not None:
             return earlier, False
-
-    checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
-    if cluster is not None:
-        checked.problems.extend(
-            cluster.problems(
-                request.resources, tensor_parallel_size=request.deepspeed.tensor_parallel_size
-            )
+    if new.checked is None:  # the earlier run was there when the request was checked
+        raise Conflict(
+            f"the run of Idempotency-Key {new.idempotency_key!r} is gone; send the request "
+            "again with a new key"
         )
-    if checked.problems:
-        raise ValidationFailed(checked.problems)
-    gpus = queue.asked_gpus(checked.spec)
+    if problems := uploads_gone(session, new.request, owner_id=new.owner_id):
+        raise ValidationFailed(problems)
+    spec = new.checked.spec
+    gpus = queue.asked_gpus(spec)
     priority = queue.check_submission(
-        session, owner_id=owner_id, priority=_asked_priority(request), gpus=gpus
+        session, owner_id=new.owner_id, priority=_asked_priority(new.request), gpus=gpus
     )
     run = Run(
         id=new_id("run"),
-        owner_id=owner_id,
+        owner_id=new.owner_id,
         status=RunStatus.QUEUED,
         attempt=1,
-        spec=checked.spec,
-        run_metadata=dict(request.metadata),
+        spec=spec,
+        run_metadata=dict(new.request.metadata),
         step=0,
         latest_metrics={},
-        idempotency_key=idempotency_key,
-        request_hash=request_hash,
+        idempotency_key=new.idempotency_key,
+        request_hash=new.request_hash,
         priority=priority,
-        preemptible=request.preemptible,
+        preemptible=new.request.preemptible,
         gpus=gpus,
     )
     try:
@@ -87,9 +122,9 @@ def create_run(
         with session.begin_nested():
             session.add(run)
     except IntegrityError:
-        if idempotency_key is None:
+        if new.idempotency_key is None:
             raise
-        earlier = _find_idempotent(session, owner_id, idempotency_key, request_hash)
+        earlier = _find_idempotent(session, new.owner_id, new.idempotency_key, new.request_hash)
         if earlier is None:
             raise
         return earlier, False
@@ -119,8 +154,9 @@ def validate_run_request(
     allowed_roots: Sequence[Path],
     cluster: ClusterView | None = None,
 ) -> RequestValidation:
-    """Every check `create_run` makes, with nothing stored, plus what the run would cost.
-    The body may ask for a profile too (app/services/profiles.py runs it)."""
+    """Every check a create makes (`prepare_run`, `store_run`), with nothing stored, plus
+    what the run would cost. The body may ask for a profile too (app/services/profiles.py
+    runs it)."""
     try:
         asked = ValidateRequest.model_validate(body)
     except PydanticValidationError as exc:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import db
@@ -125,3 +126,108 @@ class TestAdmission:
             listed = check.get("/v1/runs", params={"limit": 100}, headers=auth).json()["data"]
         assert len(stored) == sum(1 for what, _ in mix if what == "post metrics")
         assert len(listed) == 1 + sum(1 for what, _ in mix if what == "create")
+
+
+class TestWritesOnTheLoop:
+    """SQLite writes that touch the database alone run on the event loop when its lock is
+    free (app/api/deps.py run_in_write_session, app/db.py write_if_unlocked)."""
+
+    @pytest.fixture
+    def sqlite_factory(self, tmp_path: Path) -> Any:
+        engine = db.make_engine(f"sqlite:///{tmp_path / 'writes.db'}")
+        with engine.begin() as connection:
+            connection.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+        yield db.make_session_factory(engine)
+        engine.dispose()
+
+    @staticmethod
+    def count(factory: sessionmaker[Session]) -> int:
+        with factory() as session:
+            return int(session.execute(text("SELECT count(*) FROM t")).scalar_one())
+
+    def test_commits_rolls_back_and_steps_aside_for_a_held_lock(
+        self, sqlite_factory: sessionmaker[Session]
+    ) -> None:
+        def insert(session: Session) -> int:
+            return session.execute(text("INSERT INTO t VALUES (1)")).rowcount  # type: ignore[attr-defined]
+
+        assert db.write_if_unlocked(sqlite_factory, insert) == (True, 1)
+        assert self.count(sqlite_factory) == 1
+
+        def fails(session: Session) -> None:
+            session.execute(text("INSERT INTO t VALUES (2)"))
+            raise RuntimeError("the route's own error")
+
+        with pytest.raises(RuntimeError, match="the route's own error"):
+            db.write_if_unlocked(sqlite_factory, fails)
+        assert self.count(sqlite_factory) == 1  # rolled back
+
+        # Another connection holds the write lock: nothing is done, and at once (the caller
+        # is the event loop), not after SQLite's 30 s busy timeout.
+        holder = sqlite_factory.kw["bind"].connect()
+        holder.exec_driver_sql("INSERT INTO t VALUES (3)")  # BEGIN IMMEDIATE, held
+        try:
+            assert db.write_if_unlocked(sqlite_factory, insert) == (False, None)
+        finally:
+            holder.commit()
+            holder.close()
+        assert self.count(sqlite_factory) == 2
+        # Every pooled connection went back with the busy timeout the other writers rely on.
+        with sqlite_factory.kw["bind"].connect() as connection:
+            timeout = connection.exec_driver_sql("PRAGMA busy_timeout").scalar()
+        assert timeout == db.SQLITE_BUSY_TIMEOUT_MS
+
+    def test_a_post_waits_for_a_held_lock_without_stalling_the_loop(
+        self, settings: Settings, session_factory: sessionmaker[Session], tmp_path: Path
+    ) -> None:
+        """While another connection holds SQLite's lock, a worker's metric post waits for it
+        and then lands; the event loop answers reads meanwhile."""
+        if not settings.resolved_database_url.startswith("sqlite"):
+            pytest.skip("SQLite's write lock")
+        key = make_api_key(session_factory)
+        auth = {"Authorization": f"Bearer {key}"}
+        with TestClient(create_app(settings, start_background=False)) as setup:
+            run_id, token = start_run(setup, auth, tmp_path, settings, session_factory)
+        post = {
+            "attempt": 1,
+            "points": [
+                {"step": 7, "name": "loss", "value": 0.5, "time": datetime.now(UTC).isoformat()}
+            ],
+        }
+        app = create_app(settings, start_background=False)
+        holder = db.make_engine(settings.resolved_database_url)
+        held = holder.connect()
+
+        async def scenario() -> tuple[int, int, bool]:
+            async with app.router.lifespan_context(app):
+                held.exec_driver_sql("UPDATE runs SET step = step")  # takes the write lock
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                    posting = {}
+
+                    async def send() -> None:
+                        posting["answer"] = await http.post(
+                            f"/v1/internal/runs/{run_id}/metrics",
+                            json=post,
+                            headers={"Authorization": f"Bearer {token}"},
+                        )
+
+                    with anyio.fail_after(60):
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(send)
+                            await anyio.sleep(0.3)
+                            # The post is waiting for the lock; the loop still answers.
+                            read = await http.get(f"/v1/runs/{run_id}", headers=auth)
+                            waiting = "answer" not in posting
+                            await anyio.to_thread.run_sync(held.commit)
+                    return read.status_code, posting["answer"].status_code, waiting
+
+        try:
+            read, posted, waited = anyio.run(scenario)
+        finally:
+            held.close()
+            holder.dispose()
+        assert (read, posted, waited) == (200, 200, True)
+        with TestClient(create_app(settings, start_background=False)) as check:
+            stored = check.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
+        assert [(m["step"], m["value"]) for m in stored] == [(7, 0.5)]

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import JOB_PACKAGES, Dispatcher, build_runtime_env
+from app.dispatch import JOB_PACKAGES, SCHEDULE_REST_FACTOR, Dispatcher, build_runtime_env
 from app.models import Event, Run, utcnow
 from app.ray_jobs import JobState, RayRejected, RayUnavailable, redact
 from app.security import hash_secret
@@ -107,6 +107,20 @@ def _run(session_factory: sessionmaker[Session], run_id: str) -> Run:
 def _events(session_factory: sessionmaker[Session], run_id: str) -> list[Event]:
     with session_factory() as session:
         return list(session.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.id)))
+
+
+def test_after_a_scheduling_pass_the_dispatcher_rests_in_proportion_to_it(
+    client: TestClient, auth: dict[str, str], tmp_path: Path, dispatcher: Dispatcher
+) -> None:
+    """Every create wakes the dispatcher, and a pass holds the write lock while it ranks the
+    queue: it rests SCHEDULE_REST_FACTOR times as long as the pass before the next one."""
+    assert dispatcher.rest_s() == 0
+    for _ in range(3):
+        _create(client, auth, tmp_path)
+    began = time.monotonic()
+    dispatcher.dispatch_queued_runs()
+    took = time.monotonic() - began
+    assert 0 < dispatcher.rest_s() <= SCHEDULE_REST_FACTOR * took
 
 
 class TestDispatch:

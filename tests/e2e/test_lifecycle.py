@@ -18,7 +18,7 @@ from ray.job_submission import JobSubmissionClient
 from app.db import make_engine, make_session_factory, transaction
 from app.models import Run, utcnow
 from app.services.api_keys import find_api_key
-from app.services.runs import create_run
+from app.services.runs import prepare_run, store_run
 from app.tiny_assets import write_jsonl_dataset
 from contract.run_request import RunRequest
 from tests.e2e.conftest import Service, make_service
@@ -118,12 +118,13 @@ def test_a_crash_between_commit_and_submit_leaves_exactly_one_ray_job(
     with transaction(factory) as session:
         owner = find_api_key(session, secret=key)
         assert owner is not None
-        run, _ = create_run(
+        new = prepare_run(
             session,
             request=request,
             owner_id=owner.id,
             allowed_roots=[tiny_model_dir.parent, service.data_dir],
         )
+        run, _ = store_run(session, new)
         run.status = "starting"
         run.ray_submission_id = f"{run.id}-1"
         run.updated_at = utcnow() - timedelta(minutes=5)

@@ -7,7 +7,6 @@ unauthenticated posts cannot queue for SQLite's one write lock (or PostgreSQL's 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +14,12 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.db import make_engine
 from app.models import Run
 from app.services import callbacks
 
@@ -114,25 +113,20 @@ class TestBadTokensTakeNoWriteLock:
         session_factory: sessionmaker[Session],
         run_id: str,
     ) -> Iterator[None]:
-        """Another request's write in progress: on SQLite the app's write lock is held
-        (what every write request queues for), on PostgreSQL the run's row is locked."""
+        """Another request's write in progress: on SQLite the database's write lock is held
+        (what every write waits for), on PostgreSQL the run's row is locked."""
         if database_url.startswith("sqlite"):
-            lock = client.app.state.tuneyard.sqlite_write_lock  # type: ignore[attr-defined]
-            held, release = threading.Event(), threading.Event()
-
-            async def hold() -> None:
-                async with lock:
-                    held.set()
-                    while not release.is_set():
-                        await anyio.sleep(0.01)
-
-            assert client.portal is not None
-            client.portal.start_task_soon(hold)
-            assert held.wait(5)
+            engine = make_engine(database_url)
             try:
-                yield
+                with engine.connect() as connection:
+                    # BEGIN IMMEDIATE (app/db.py): SQLite's one write lock, until rolled back.
+                    connection.exec_driver_sql("UPDATE runs SET step = step")
+                    try:
+                        yield
+                    finally:
+                        connection.rollback()
             finally:
-                release.set()
+                engine.dispose()
         else:
             with session_factory() as session:
                 assert session.get(Run, run_id, with_for_update=True) is not None
