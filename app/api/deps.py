@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import db
+from app.api.slots import Slots
 from app.dispatch import Dispatcher
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
@@ -105,10 +106,11 @@ class Admission:
     API-key lookups have slots of their own: a lookup runs while its request's session holds
     a slot, and taking a second slot of the same kind could wait on the sessions it holds up.
     A session slot is never taken while another is held (`run_in_read_session` serves routes
-    without `SessionDep`)."""
+    without `SessionDep`). A request's second and later slots go ahead of new requests
+    (app/api/slots.py), so one that needs several waits for admission about once."""
 
     def __init__(self) -> None:
-        self.sessions = anyio.Semaphore(db.REQUEST_SESSION_SLOTS, fast_acquire=True)
+        self.sessions = Slots(db.REQUEST_SESSION_SLOTS)
         self.session_threads = anyio.CapacityLimiter(db.REQUEST_SESSION_SLOTS)
         self.key_lookups = anyio.CapacityLimiter(db.KEY_LOOKUP_SLOTS)
 
@@ -125,7 +127,7 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
         lock = state.sqlite_write_lock
         await lock.acquire()
     try:
-        async with state.admission.sessions:
+        async with state.admission.sessions.slot(request):
             session = factory()
             try:
                 yield session
@@ -180,7 +182,7 @@ async def run_in_read_session(
         with factory() as session:
             return read(session)
 
-    async with state.admission.sessions:
+    async with state.admission.sessions.slot(request):
         if is_sqlite(factory) and not blocking:
             return in_session()
         with anyio.CancelScope(shield=True):
@@ -211,7 +213,7 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
         deadline = anyio.current_time() + db.SQLITE_BUSY_TIMEOUT_MS / 1000
         pause = _FIRST_PAUSE_S
         while anyio.current_time() < deadline:
-            async with state.admission.sessions:
+            async with state.admission.sessions.slot(request):
                 done, result = db.write_if_unlocked(factory, write)
             if done:
                 return cast(T, result)
@@ -223,7 +225,7 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
     if lock is not None:
         await lock.acquire()
     try:
-        async with state.admission.sessions:
+        async with state.admission.sessions.slot(request):
             # Shielded: the slot and the lock must not be given back before the connection.
             with anyio.CancelScope(shield=True):
                 result = await anyio.to_thread.run_sync(

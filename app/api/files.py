@@ -163,7 +163,7 @@ async def _admitted(request: Request, work: Callable[[], T]) -> T:
     """`work`, which uses a session, on a worker thread under an admission slot, as the
     sessions of `SessionDep` are (see deps.Admission)."""
     admission = app_state(request).admission
-    async with admission.sessions:
+    async with admission.sessions.slot(request):
         # Shielded: the slot must not be given back before the thread's connection is.
         with anyio.CancelScope(shield=True):
             result = await anyio.to_thread.run_sync(work, limiter=admission.session_threads)
