@@ -63,9 +63,11 @@ ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
 MAX_RAY_BACKOFF_S = 30.0
-# How long the dispatcher rests after a scheduling pass, as a multiple of the pass: passes
-# then hold the write lock at most a fifth of the time (see dispatch_queued_runs).
+# How long the dispatcher rests after a scheduling pass on SQLite, as a multiple of the
+# pass, and at most: passes then hold the write lock at most a fifth of the time (see
+# dispatch_queued_runs).
 SCHEDULE_REST_FACTOR = 4.0
+MAX_SCHEDULE_REST_S = 1.0
 # How long the queue waits for a Ray that answers but has reported no node's usage yet.
 USAGE_WAIT_S = 30.0
 LOG_TAIL_LINES = 20
@@ -149,6 +151,7 @@ class Dispatcher(TickLoop):
         self._ray_backoff_s = 0.0
         self._ray_retry_at = 0.0
         self._schedule_rest_until = 0.0
+        self._sqlite = session_factory.kw["bind"].dialect.name == "sqlite"
         super().__init__(interval_s=settings.dispatch_interval_s)
 
     def rest_s(self) -> float:
@@ -188,11 +191,14 @@ class Dispatcher(TickLoop):
                 if (claim := self._claim(session, run_id, queued_at)) is not None
             ]
         took = time.perf_counter() - started
-        # A pass holds the database's write lock (SQLite's is the whole service's) while it
-        # ranks the queue; every create wakes one. Resting SCHEDULE_REST_FACTOR times as
-        # long after each keeps a burst of creates over a long queue from holding it most
-        # of the time, and costs nothing while passes are short.
-        self._schedule_rest_until = time.monotonic() + SCHEDULE_REST_FACTOR * took
+        if self._sqlite:
+            # A pass holds SQLite's write lock, the whole service's, while it ranks the
+            # queue, and every create wakes one. Resting SCHEDULE_REST_FACTOR times as long
+            # after each keeps a burst of creates over a long queue from holding it most of
+            # the time, and costs nothing while passes are short. Capped: a pass that
+            # waited long for the lock itself must not put the next off for longer.
+            rest = min(SCHEDULE_REST_FACTOR * took, MAX_SCHEDULE_REST_S)
+            self._schedule_rest_until = time.monotonic() + rest
         if self.metrics is not None:
             self.metrics.schedule_duration.observe(took)
         dispatched = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar, cast
@@ -198,46 +199,51 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
     the database alone.
 
     On SQLite the write runs right here on the event loop, as reads do
-    (`run_in_read_session`): a few statements on a local file. Two such writes cannot
-    interleave (the loop runs one at a time), so they need no queue of the process's own.
-    If another connection holds the database's lock (the dispatcher, a `SessionDep` route,
-    another process), it tries again after a pause of a few milliseconds, on the loop too.
-    What it avoids is what 200 clients measured (BENCHMARKS.md, load): writers queued, each
-    making trips to a worker thread under the lock, waiting on every trip for a thread, a
-    connection and the GIL of a busy loop, seconds in all. Other databases are a network
-    round trip away: a worker thread always."""
+    (`run_in_read_session`), when the database's lock is free: a few statements on a local
+    file. Two such writes cannot interleave (the loop runs one at a time), so they need no
+    queue of the process's own. What that avoids is what 200 clients measured (BENCHMARKS.md,
+    load): writers queued, each making trips to a worker thread under the lock, waiting on
+    every trip for a thread, a connection and the GIL of a busy loop, seconds in all.
+    If another connection holds the lock (the dispatcher, a `SessionDep` route, another
+    process), the write waits in the process's one queue of writers (`sqlite_write_lock`,
+    with `SessionDep`'s), whose first alone tries again, after pauses of a few milliseconds.
+    Other databases are a network round trip away: a worker thread always."""
     state = app_state(request)
     factory = state.session_factory
-    sqlite = is_sqlite(factory)
-    if sqlite:
-        deadline = anyio.current_time() + db.SQLITE_BUSY_TIMEOUT_MS / 1000
+    if is_sqlite(factory):
+        async with state.admission.sessions.slot(request):
+            done, result = db.write_if_unlocked(factory, write)
+        if done:
+            return cast(T, result)
+        return await _write_when_unlocked(request, state, write)
+    async with state.admission.sessions.slot(request):
+        # Shielded: the slot must not be given back before the connection is.
+        with anyio.CancelScope(shield=True):
+            result = await anyio.to_thread.run_sync(
+                db.write_in_transaction,
+                factory,
+                write,
+                limiter=state.admission.session_threads,
+            )
+    return cast(T, result)
+
+
+async def _write_when_unlocked(
+    request: Request, state: AppState, write: Callable[[Session], T]
+) -> T:
+    """SQLite, locked by another connection: try again in turn, for as long as SQLite's own
+    busy timeout would wait, then fail as it would."""
+    async with state.sqlite_write_lock:
         pause = _FIRST_PAUSE_S
+        deadline = anyio.current_time() + db.SQLITE_BUSY_TIMEOUT_MS / 1000
         while anyio.current_time() < deadline:
-            async with state.admission.sessions.slot(request):
-                done, result = db.write_if_unlocked(factory, write)
-            if done:
-                return cast(T, result)
             await anyio.sleep(pause)
             pause = min(2 * pause, _LAST_PAUSE_S)
-    # Other databases; or SQLite still locked after its busy timeout: then this waits the
-    # timeout once more in a worker thread, and fails as `SessionDep` would.
-    lock = state.sqlite_write_lock if sqlite else None
-    if lock is not None:
-        await lock.acquire()
-    try:
-        async with state.admission.sessions.slot(request):
-            # Shielded: the slot and the lock must not be given back before the connection.
-            with anyio.CancelScope(shield=True):
-                result = await anyio.to_thread.run_sync(
-                    db.write_in_transaction,
-                    factory,
-                    write,
-                    limiter=state.admission.session_threads,
-                )
-            return cast(T, result)
-    finally:
-        if lock is not None:
-            lock.release()
+            async with state.admission.sessions.slot(request):
+                done, result = db.write_if_unlocked(state.session_factory, write)
+            if done:
+                return cast(T, result)
+    raise sqlite3.OperationalError("database is locked")
 
 
 # A write that finds SQLite locked by another connection tries again after this pause,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import (
@@ -18,6 +19,7 @@ from fastapi import (
 )
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
@@ -63,6 +65,8 @@ from app.status import RunStatus
 from contract.bounds import INT32_MAX, INT64_MAX, refuse_nul
 from contract.examples import RUN_REQUEST_EXAMPLES
 from contract.run_request import RunRequest
+
+log = logging.getLogger("tuneyard")
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[Security(api_key)])
 
@@ -140,13 +144,22 @@ async def create_run(
     )
 
     run, created = await run_in_write_session(request, lambda session: runs.store_run(session, new))
+    # Its place in the queue on a read of its own, which ranks the whole queue (no writer
+    # needs to wait for that); before the dispatcher is woken, which may take it out. The
+    # run is stored whatever happens here: an answer without its place, never a 500 that
+    # would have a client without an Idempotency-Key create it again.
+    try:
+        position = await run_in_read_session(
+            request, lambda session: runs.queue_position(session, run), blocking=True
+        )
+    except SQLAlchemyError:
+        log.warning("run %s created; its queue position could not be read", run.id, exc_info=True)
+        position = None
     if dispatcher is not None and created:
         dispatcher.wake()  # committed: dispatch now, not at the dispatcher's next tick
-    # Its place in the queue on a read of its own: it ranks the whole queue, which no writer
-    # needs to wait for.
-    position = await run_in_read_session(request, lambda session: runs.queue_position(session, run))
-    view = RunView.of(run, queue_position=position)
-    return json_response(view, status_code=201 if created else 200)
+    return json_response(
+        RunView.of(run, queue_position=position), status_code=201 if created else 200
+    )
 
 
 @router.post(

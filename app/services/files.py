@@ -188,8 +188,8 @@ def discard_upload(upload: ReceivedUpload) -> None:
     upload.partial.unlink(missing_ok=True)
 
 
-def get_file(session: Session, *, file_id: str, owner_id: str) -> File:
-    upload = session.get(File, file_id)
+def get_file(session: Session, *, file_id: str, owner_id: str, for_update: bool = False) -> File:
+    upload = session.get(File, file_id, with_for_update=for_update)
     if upload is None or upload.owner_id != owner_id:
         raise NotFound(f"file {file_id} not found")
     return upload
@@ -228,7 +228,9 @@ def delete_file(session: Session, *, file_id: str, owner_id: str) -> str:
     A file that a queued or live run reads is refused: the run would fail when it opens
     it. (A finished run keeps only the path: resuming it after the delete fails, saying
     the file is gone.)"""
-    upload = get_file(session, file_id=file_id, owner_id=owner_id)
+    # Locked: a create storing a run that reads it (runs.store_run) finishes first, and its
+    # run is among the live ones below; or it waits, and finds the file gone.
+    upload = get_file(session, file_id=file_id, owner_id=owner_id, for_update=True)
     live = session.scalars(
         select(Run).where(Run.owner_id == owner_id, Run.status.not_in(TERMINAL_STATUSES))
     )

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from app.errors import TooManyRequests, ValidationFailed, field_problem
+from app.errors import TooManyRequests, Unauthorized, ValidationFailed, field_problem
 from app.models import ApiKey, Run
 from app.schemas.run_view import RunFields, as_utc
 from app.services import lifecycle
@@ -253,6 +253,9 @@ def check_submission(
     capped at the key's max_priority, so that a key limited below the default can still
     submit without naming one (OpenAI's clients cannot)."""
     key = session.get(ApiKey, owner_id, with_for_update=queuing)
+    if key is not None and key.revoked_at is not None:
+        # Revoked while the request's files were being checked, before this transaction.
+        raise Unauthorized("this API key was revoked")
     if priority is None:
         priority = DEFAULT_PRIORITY
         if key is not None and key.max_priority is not None:

@@ -431,7 +431,8 @@ def uploads_gone(session: Session, request: RunRequest, *, owner_id: str) -> lis
     for key in ("source", "eval_source"):
         source = getattr(request.dataset, key)
         if source is not None and is_uploaded(source):
-            upload = session.get(File, source)
+            # Locked: a delete waits for this transaction, and then finds the new run.
+            upload = session.get(File, source, with_for_update=True)
             if upload is None or upload.owner_id != owner_id:
                 problems.append(field_problem(f"dataset.{key}", f"no uploaded file {source!r}"))
     return problems

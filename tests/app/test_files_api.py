@@ -17,14 +17,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db import transaction
-from app.errors import ValidationFailed
 from app.main import create_app
 from app.models import File
 from app.services import files as files_service
-from app.services import runs as runs_service
-from app.services.api_keys import find_api_key
 from app.settings import Settings
-from contract.run_request import RunRequest
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -301,38 +297,6 @@ class TestFilesInRuns:
         assert response.status_code == 201, response.text
         source = response.json()["spec"]["dataset"]["source"]
         assert Path(source).read_bytes() == rows
-
-    def test_a_file_deleted_after_the_checks_is_refused_when_the_run_is_stored(
-        self,
-        client: TestClient,
-        auth: dict[str, str],
-        tmp_path: Path,
-        settings: Settings,
-        session_factory: sessionmaker[Session],
-    ) -> None:
-        """A create checks its files on a read, outside the write lock, and stores the run in
-        a write after it (app/services/runs.py): a delete in between, which finds no run
-        reading the file, must not leave a queued run reading a file that is gone."""
-        rows = _jsonl(*[{"text": f"a b {i}"} for i in range(4)])
-        upload = client.post("/v1/files", files={"file": ("d.jsonl", rows)}, headers=auth).json()
-        body = run_request(tmp_path, dataset={"source": upload["id"], "text_field": "text"})
-        key = auth["Authorization"].removeprefix("Bearer ")
-        with session_factory() as session:
-            owner = find_api_key(session, secret=key)
-            assert owner is not None
-            new = runs_service.prepare_run(
-                session,
-                request=RunRequest.model_validate(body),
-                owner_id=owner.id,
-                allowed_roots=settings.resolved_allowed_roots,
-            )
-        assert client.delete(f"/v1/files/{upload['id']}", headers=auth).status_code == 200
-        with session_factory() as session, pytest.raises(ValidationFailed) as refused:
-            runs_service.store_run(session, new)
-        assert refused.value.detail == [
-            {"field": "dataset.source", "message": f"no uploaded file {upload['id']!r}"}
-        ]
-        assert client.get("/v1/runs", headers=auth).json()["data"] == []
 
     def test_a_file_too_small_for_one_step_is_refused_before_any_compute(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path
