@@ -10,7 +10,7 @@ from typing import Annotated, TypeVar, cast
 import anyio
 import anyio.to_thread
 from fastapi import Depends, Request
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import db
@@ -176,20 +176,35 @@ async def run_in_read_session(
 
     `blocking`: the read does more than a lookup (validation reads model and dataset files,
     and may wait for the cluster's nodes): a worker thread on every database."""
-    state = app_state(request)
-    factory = state.read_session_factory
+    factory = app_state(request).read_session_factory
 
     def in_session() -> T:
         with factory() as session:
             return read(session)
 
+    return await _admitted_read(request, in_session, blocking=blocking)
+
+
+async def run_on_read_connection(request: Request, read: Callable[[Connection], T]) -> T:
+    """`run_in_read_session` for a read that is a statement or two on a connection and needs
+    no ORM session (status polling: beginning and closing a session cost as much as the
+    statement)."""
+    engine: Engine = app_state(request).read_session_factory.kw["bind"]
+
+    def on_connection() -> T:
+        with engine.connect() as connection:
+            return read(connection)
+
+    return await _admitted_read(request, on_connection, blocking=False)
+
+
+async def _admitted_read(request: Request, call: Callable[[], T], *, blocking: bool) -> T:
+    state = app_state(request)
     async with state.admission.sessions.slot(request):
-        if is_sqlite(factory) and not blocking:
-            return in_session()
+        if is_sqlite(state.read_session_factory) and not blocking:
+            return call()
         with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(
-                in_session, limiter=state.admission.session_threads
-            )
+            result = await anyio.to_thread.run_sync(call, limiter=state.admission.session_threads)
         return result
 
 
@@ -291,7 +306,7 @@ async def get_principal(request: Request, settings: SettingsDep) -> Principal:
     token = bearer_token(request)
     principal = None if not token else await _find_principal(app_state(request), token)
     if principal is None:
-        raise _unauthorized()
+        raise unauthorized()
     return principal
 
 
@@ -326,18 +341,18 @@ async def read_as_caller(request: Request, read: Callable[[Session, Principal], 
         return await run_in_read_session(request, lambda session: read(session, local))
     secret = bearer_token(request)
     if not secret:
-        raise _unauthorized()
+        raise unauthorized()
 
     def checked(session: Session) -> T:
         key = find_api_key(session, secret=secret)
         if key is None:
-            raise _unauthorized()
+            raise unauthorized()
         return read(session, Principal(id=key.id, name=key.name))
 
     return await run_in_read_session(request, checked)
 
 
-def _unauthorized() -> Unauthorized:
+def unauthorized() -> Unauthorized:
     return Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import Connection, func, select, text, update
 from sqlalchemy.orm import Session
 
 from app.errors import TooManyRequests, Unauthorized, ValidationFailed, field_problem
@@ -197,11 +197,11 @@ def key_limits(session: Session, owners: set[str]) -> dict[str, KeyLimits]:
 # -- positions ------------------------------------------------------------------------------
 
 
-def ordered_queue(session: Session) -> list[Queued]:
+def ordered_queue(db: Session | Connection) -> list[Queued]:
     """Every queued run in the order the scheduler takes them (its fair share counts the
     keys' live runs). Two queries whatever the queue's length."""
     usage: dict[str, Usage] = {}
-    for owner, runs, gpus in session.execute(
+    for owner, runs, gpus in db.execute(
         select(Run.owner_id, func.count(), func.coalesce(func.sum(Run.gpus), 0))
         .where(Run.status.in_(LIVE))
         .group_by(Run.owner_id)
@@ -215,7 +215,7 @@ def ordered_queue(session: Session) -> list[Queued]:
             queued_at=as_utc(row.queued_at) or row.queued_at,
             ask=Ask(workers=1, per_worker={"GPU": float(row.gpus)} if row.gpus else {}),
         )
-        for row in session.execute(
+        for row in db.execute(
             select(Run.id, Run.owner_id, Run.priority, Run.queued_at, Run.gpus).where(
                 Run.status == RunStatus.QUEUED
             )
@@ -224,7 +224,7 @@ def ordered_queue(session: Session) -> list[Queued]:
     return queue_order(queued, usage)
 
 
-def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, int]:
+def queue_positions(db: Session | Connection, runs: Sequence[RunFields]) -> dict[str, int]:
     """The queued ones among `runs` by id, each with its place in the scheduler's order
     (1: the next to start, if the cluster has room)."""
     if not any(r.status == RunStatus.QUEUED for r in runs):
@@ -232,7 +232,7 @@ def queue_positions(session: Session, runs: Sequence[RunFields]) -> dict[str, in
     wanted = {r.id for r in runs}
     return {
         run.id: position
-        for position, run in enumerate(ordered_queue(session), start=1)
+        for position, run in enumerate(ordered_queue(db), start=1)
         if run.id in wanted
     }
 

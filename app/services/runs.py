@@ -9,11 +9,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
-from sqlalchemy import ColumnElement, Select, and_, bindparam, exists, func, inspect, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    exists,
+    func,
+    inspect,
+    or_,
+    select,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -24,10 +36,12 @@ from app.errors import (
     field_problem,
     problems_from_pydantic,
 )
-from app.models import Run, new_id
+from app.models import ApiKey, Run, new_id
 from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
+from app.security import hash_secret
 from app.services import estimates, lifecycle, queue
+from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.services.run_rules import CheckedRequest, check_run_request, uploads_gone
 from app.status import RunStatus
@@ -234,15 +248,37 @@ _READ_RUN = select(*(attr.columns[0].label(attr.key) for attr in inspect(Run).co
 )
 
 
-def read_run(session: Session, *, run_id: str, owner_id: str) -> RunFields:
+def read_run(db: Session | Connection, *, run_id: str, owner_id: str) -> RunFields:
     """`get_run` for a caller that only reads: the run's columns as a row, which `RunView.of`
     and `queue_position` take as they take a `Run`. Status polling is the service's busiest
     request, and loading an ORM object costs more than the query itself."""
-    row = session.connection().execute(_READ_RUN, {"run_id": run_id}).one_or_none()
+    connection = db.connection() if isinstance(db, Session) else db
+    row = connection.execute(_READ_RUN, {"run_id": run_id}).one_or_none()
     if row is None or row.owner_id != owner_id:
         raise NotFound(f"run {run_id} not found")
     fields: RunFields = row
     return fields
+
+
+_api_keys = cast(Table, ApiKey.__table__)
+# `_READ_RUN` of a run the key with this hash owns, while it is live: status polling's one
+# statement, which checks the caller's key as it reads (a revoked key is refused at once).
+_READ_RUN_WITH_KEY = _READ_RUN.join(_api_keys, _api_keys.c.id == Run.owner_id).where(
+    _api_keys.c.key_hash == bindparam("key_hash"), _api_keys.c.revoked_at.is_(None)
+)
+
+
+def read_run_with_key(connection: Connection, *, run_id: str, secret: str) -> RunFields | None:
+    """`read_run` for the holder of the API key `secret`, checked in the same statement:
+    None when the key is not a live one; NotFound when the run is not its own."""
+    params = {"run_id": run_id, "key_hash": hash_secret(secret)}
+    row = connection.execute(_READ_RUN_WITH_KEY, params).one_or_none()
+    if row is not None:
+        fields: RunFields = row
+        return fields
+    if find_api_key(connection, secret=secret) is None:
+        return None
+    raise NotFound(f"run {run_id} not found")
 
 
 def list_runs(
@@ -359,9 +395,9 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         ) from exc
 
 
-def queue_position(session: Session, run: RunFields) -> int | None:
+def queue_position(db: Session | Connection, run: RunFields) -> int | None:
     """1 for the next run to dispatch; None once it left the queue."""
-    return queue.queue_positions(session, [run]).get(run.id)
+    return queue.queue_positions(db, [run]).get(run.id)
 
 
 def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
