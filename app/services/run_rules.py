@@ -392,9 +392,9 @@ def _check_source(
     of the caller's, a local path inside the roots, or a hub id; resolved in the spec."""
     name = f"dataset.{key}"
     if is_uploaded(source):
-        upload = session.get(File, source)
-        if upload is None or upload.owner_id != owner_id:
-            checked.problems.append(field_problem(name, f"no uploaded file {source!r}"))
+        upload = _owned_upload(session, source, owner_id=owner_id)
+        if upload is None:
+            checked.problems.append(_no_upload(name, source))
             return
         checked.spec["dataset"][key] = upload.path
         if key == "source":
@@ -430,12 +430,26 @@ def uploads_gone(session: Session, request: RunRequest, *, owner_id: str) -> lis
     problems = []
     for key in ("source", "eval_source"):
         source = getattr(request.dataset, key)
-        if source is not None and is_uploaded(source):
-            # Locked: a delete waits for this transaction, and then finds the new run.
-            upload = session.get(File, source, with_for_update=True)
-            if upload is None or upload.owner_id != owner_id:
-                problems.append(field_problem(f"dataset.{key}", f"no uploaded file {source!r}"))
+        # Locked: a delete waits for this transaction, and then finds the new run.
+        if (
+            source is not None
+            and is_uploaded(source)
+            and _owned_upload(session, source, owner_id=owner_id, lock=True) is None
+        ):
+            problems.append(_no_upload(f"dataset.{key}", source))
     return problems
+
+
+def _owned_upload(
+    session: Session, file_id: str, *, owner_id: str, lock: bool = False
+) -> File | None:
+    """The caller's uploaded file with this id; None if there is none, or it is another's."""
+    upload = session.get(File, file_id, with_for_update=lock)
+    return upload if upload is not None and upload.owner_id == owner_id else None
+
+
+def _no_upload(name: str, file_id: str) -> Problem:
+    return field_problem(name, f"no uploaded file {file_id!r}")
 
 
 # Records of a local chat or preference file read at validation: enough to catch a file of
