@@ -132,6 +132,7 @@ class Dispatcher(TickLoop):
         settings: Settings,
         session_factory: sessionmaker[Session],
         jobs: RayJobs,
+        read_session_factory: sessionmaker[Session] | None = None,
         revive_ray: Callable[[], None] | None = None,
         metrics: ServiceMetrics | None = None,
         cluster: ClusterView | None = None,
@@ -139,6 +140,9 @@ class Dispatcher(TickLoop):
         self.settings = settings
         self.metrics = metrics
         self.session_factory = session_factory
+        # For reads that lead to no write (the service's reader engine, on SQLite: no write
+        # lock). The reconciler reads the live runs on every tick, and every create wakes it.
+        self.read_session_factory = read_session_factory or session_factory
         self.jobs = jobs
         # The cluster's nodes (validation's view): a queued run they can never hold fails.
         self.cluster = cluster
@@ -330,7 +334,8 @@ class Dispatcher(TickLoop):
 
     def reconcile_live_runs(self) -> None:
         """Compare every live run with Ray's view of its job and settle the differences."""
-        with self.session_factory() as session:
+        # Each run is read again, locked, before anything is written (`_reconcile`).
+        with self.read_session_factory() as session:
             live = list(session.scalars(select(Run).where(Run.status.in_(LIVE))))
         for run in live:
             if not run.ray_submission_id:

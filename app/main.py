@@ -77,6 +77,7 @@ def create_app(
             dispatcher = state.dispatcher = Dispatcher(
                 settings=settings,
                 session_factory=state.session_factory,
+                read_session_factory=state.read_session_factory,
                 jobs=jobs,
                 revive_ray=revive_local_head if head is not None else None,
                 metrics=state.metrics,

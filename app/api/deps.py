@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar, cast
@@ -14,6 +13,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import db
+from app.api.loop_writes import LoopWriter
 from app.api.slots import Slots
 from app.dispatch import Dispatcher
 from app.errors import Unauthorized
@@ -45,6 +45,11 @@ class AppState:
     # Admission of database work (sized in app/db.py, read when the app is made; see
     # `Admission` for why).
     admission: Admission = field(default_factory=lambda: Admission())
+    # SQLite writes on the event loop (`run_in_write_session`).
+    loop_writer: LoopWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loop_writer = LoopWriter(self.session_factory, self.admission.sessions)
 
 
 def app_state(request: Request) -> AppState:
@@ -214,23 +219,16 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
     the database alone.
 
     On SQLite the write runs right here on the event loop, as reads do
-    (`run_in_read_session`), when the database's lock is free: a few statements on a local
-    file. Two such writes cannot interleave (the loop runs one at a time), so they need no
-    queue of the process's own. What that avoids is what 200 clients measured (BENCHMARKS.md,
-    load): writers queued, each making trips to a worker thread under the lock, waiting on
-    every trip for a thread, a connection and the GIL of a busy loop, seconds in all.
-    If another connection holds the lock (the dispatcher, a `SessionDep` route, another
-    process), the write waits in the process's one queue of writers (`sqlite_write_lock`,
-    with `SessionDep`'s), whose first alone tries again, after pauses of a few milliseconds.
-    Other databases are a network round trip away: a worker thread always."""
+    (`run_in_read_session`): a few statements on a local file, at once when the database's
+    lock is free, else in the process's queue of such writes (app/api/loop_writes.py). What
+    that avoids is what 200 clients measured (BENCHMARKS.md, load): writers queued, each
+    making trips to a worker thread under the lock, waiting on every trip for a thread, a
+    connection and the GIL of a busy loop, seconds in all. Other databases are a network
+    round trip away: a worker thread always."""
     state = app_state(request)
     factory = state.session_factory
     if is_sqlite(factory):
-        async with state.admission.sessions.slot(request):
-            done, result = db.write_if_unlocked(factory, write)
-        if done:
-            return cast(T, result)
-        return await _write_when_unlocked(request, state, write)
+        return cast(T, await state.loop_writer.write(request, write))
     async with state.admission.sessions.slot(request):
         # Shielded: the slot must not be given back before the connection is.
         with anyio.CancelScope(shield=True):
@@ -241,30 +239,6 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
                 limiter=state.admission.session_threads,
             )
     return cast(T, result)
-
-
-async def _write_when_unlocked(
-    request: Request, state: AppState, write: Callable[[Session], T]
-) -> T:
-    """SQLite, locked by another connection: try again in turn, for as long as SQLite's own
-    busy timeout would wait, then fail as it would."""
-    async with state.sqlite_write_lock:
-        pause = _FIRST_PAUSE_S
-        deadline = anyio.current_time() + db.SQLITE_BUSY_TIMEOUT_MS / 1000
-        while anyio.current_time() < deadline:
-            await anyio.sleep(pause)
-            pause = min(2 * pause, _LAST_PAUSE_S)
-            async with state.admission.sessions.slot(request):
-                done, result = db.write_if_unlocked(state.session_factory, write)
-            if done:
-                return cast(T, result)
-    raise sqlite3.OperationalError("database is locked")
-
-
-# A write that finds SQLite locked by another connection tries again after this pause,
-# doubling up to the last: the lock's holders keep it for milliseconds.
-_FIRST_PAUSE_S = 0.001
-_LAST_PAUSE_S = 0.02
 
 
 def is_sqlite(factory: sessionmaker[Session]) -> bool:
@@ -312,13 +286,15 @@ async def get_principal(request: Request, settings: SettingsDep) -> Principal:
 
 async def _find_principal(state: AppState, secret: str) -> Principal | None:
     # A short read of its own, so a write request does not hold the lock while checking. On
-    # SQLite on the event loop, as in `run_in_read_session`; elsewhere on a thread of the
-    # lookups' own, whose limiter is their admission.
+    # SQLite on the event loop, as in `run_in_read_session`, with no admission: lookups on
+    # the loop run one at a time, so they never hold more than one connection. (Taking an
+    # anyio limiter yields to the loop with the token held: under load, four lookups per
+    # loop iteration, and creates and validations waited most of a second for them.)
+    # Elsewhere on a thread of the lookups' own, whose limiter is their admission.
     factory = state.read_session_factory
     limiter = state.admission.key_lookups
     if is_sqlite(factory):
-        async with limiter:
-            return _lookup(factory, secret)
+        return _lookup(factory, secret)
     with anyio.CancelScope(shield=True):
         principal = await anyio.to_thread.run_sync(_lookup, factory, secret, limiter=limiter)
     return principal

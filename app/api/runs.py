@@ -30,11 +30,13 @@ from app.api.deps import (
     CurrentPrincipal,
     DispatcherDep,
     JobsDep,
+    Principal,
     ReadSessionFactoryDep,
     SessionDep,
     SettingsDep,
     app_state,
     bearer_token,
+    read_as_caller,
     run_in_read_session,
     run_in_write_session,
     run_on_read_connection,
@@ -154,7 +156,7 @@ async def create_run(
     # would have a client without an Idempotency-Key create it again.
     try:
         position = await run_in_read_session(
-            request, lambda session: runs.queue_position(session, run), blocking=True
+            request, lambda session: runs.queue_position(session, run)
         )
     except SQLAlchemyError:
         log.warning("run %s created; its queue position could not be read", run.id, exc_info=True)
@@ -236,10 +238,8 @@ async def validate_run(
     description="Filter by `status` and by metadata with `metadata.<key>=<value>` parameters.",
     responses=error_responses({401: _UNAUTHORIZED, 422: _INVALID_PARAMETER}),
 )
-def list_runs(
+async def list_runs(
     request: Request,
-    session: SessionDep,
-    principal: CurrentPrincipal,
     status_filter: Annotated[
         RunStatus | None,
         Query(
@@ -251,25 +251,33 @@ def list_runs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=runs.MAX_PAGE)] = 20,
     cursor: Cursor = None,
-) -> RunList:
+) -> Response:
+    # Like status polling: the key checked and the page read on one connection, on the
+    # event loop on SQLite (read_as_caller), and the page serialized once (json_response).
     metadata = {
         key.removeprefix("metadata."): value
         for key, value in request.query_params.items()
         if key.startswith("metadata.")
     }
-    rows, next_cursor = runs.list_runs(
-        session,
-        owner_id=principal.id,
-        status=status_filter,
-        metadata=metadata,
-        limit=limit,
-        cursor=cursor,
-    )
-    positions = queue.queue_positions(session, rows)
-    return RunList(
-        data=[RunView.of(r, queue_position=positions.get(r.id)) for r in rows],
-        next_cursor=next_cursor,
-    )
+
+    def read(session: Session, principal: Principal) -> Response:
+        rows, next_cursor = runs.list_runs(
+            session,
+            owner_id=principal.id,
+            status=status_filter,
+            metadata=metadata,
+            limit=limit,
+            cursor=cursor,
+        )
+        positions = queue.queue_positions(session, rows)
+        return json_response(
+            RunList(
+                data=[RunView.of(r, queue_position=positions.get(r.id)) for r in rows],
+                next_cursor=next_cursor,
+            )
+        )
+
+    return await read_as_caller(request, read)
 
 
 @router.get("/{run_id}", response_model=RunView, summary="Get one run", responses=_errors)
@@ -298,20 +306,25 @@ async def get_run(run_id: RunId, request: Request) -> Response:
 @router.get(
     "/{run_id}/metrics", response_model=MetricList, summary="A run's metrics", responses=_errors
 )
-def list_metrics(
+async def list_metrics(
     run_id: RunId,
-    session: SessionDep,
-    principal: CurrentPrincipal,
+    request: Request,
     name: Annotated[str | None, Query(max_length=64), AfterValidator(refuse_nul)] = None,
     after_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX)] = None,
     limit: Annotated[int, Query(ge=1, le=run_data.MAX_METRICS_PAGE)] = 1000,
     cursor: Cursor = None,
-) -> MetricList:
-    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    rows, next_cursor = run_data.list_metrics(
-        session, run=run, name=name, after_step=after_step, limit=limit, cursor=cursor
-    )
-    return MetricList(data=[MetricView.of(m) for m in rows], next_cursor=next_cursor)
+) -> Response:
+    # What dashboards and trackers poll: read as list_runs is.
+    def read(session: Session, principal: Principal) -> Response:
+        run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
+        rows, next_cursor = run_data.list_metrics(
+            session, run=run, name=name, after_step=after_step, limit=limit, cursor=cursor
+        )
+        return json_response(
+            MetricList(data=[MetricView.of(m) for m in rows], next_cursor=next_cursor)
+        )
+
+    return await read_as_caller(request, read)
 
 
 @router.get(

@@ -10,6 +10,7 @@ decides, not one process's memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -199,29 +200,34 @@ def key_limits(session: Session, owners: set[str]) -> dict[str, KeyLimits]:
 
 def ordered_queue(db: Session | Connection) -> list[Queued]:
     """Every queued run in the order the scheduler takes them (its fair share counts the
-    keys' live runs). Two queries whatever the queue's length."""
+    keys' live runs). Two queries whatever the queue's length.
+
+    Every create and every list of queued runs reads the whole queue, so the rows are read
+    on the Core connection (no ORM loading) and each becomes its Queued with no more than
+    it needs: this was a quarter of the service's CPU under load (BENCHMARKS.md)."""
+    connection = db.connection() if isinstance(db, Session) else db
     usage: dict[str, Usage] = {}
-    for owner, runs, gpus in db.execute(
+    for owner, runs, gpus in connection.execute(
         select(Run.owner_id, func.count(), func.coalesce(func.sum(Run.gpus), 0))
         .where(Run.status.in_(LIVE))
         .group_by(Run.owner_id)
     ):
         usage[owner or ""] = Usage(int(runs), int(gpus))
     queued = [
-        Queued(
-            id=row.id,
-            owner=row.owner_id or "",
-            priority=row.priority,
-            queued_at=as_utc(row.queued_at) or row.queued_at,
-            ask=Ask(workers=1, per_worker={"GPU": float(row.gpus)} if row.gpus else {}),
-        )
-        for row in db.execute(
+        Queued(run_id, owner or "", priority, as_utc(queued_at) or queued_at, _gpu_ask(gpus))
+        for run_id, owner, priority, queued_at, gpus in connection.execute(
             select(Run.id, Run.owner_id, Run.priority, Run.queued_at, Run.gpus).where(
                 Run.status == RunStatus.QUEUED
             )
-        )
+        ).all()  # one fetch: iterating a result fetches row by row
     ]
     return queue_order(queued, usage)
+
+
+@functools.cache
+def _gpu_ask(gpus: int) -> Ask:
+    """What the order needs of a queued run's ask, its GPUs (one shared Ask per count)."""
+    return Ask(workers=1, per_worker={"GPU": float(gpus)} if gpus else {})
 
 
 def queue_positions(db: Session | Connection, runs: Sequence[RunFields]) -> dict[str, int]:

@@ -534,28 +534,41 @@ def _allowed_local_path(value: str, roots: Sequence[Path]) -> tuple[Path | None,
 
 def _folder_problem(folder: Path, roots: Sequence[Path], refused: Sequence[Path]) -> str | None:
     """Why a folder source may not be read (an entry leads outside the roots or into the
-    uploads, or there are too many to check), or None. Links are followed, each real
-    folder walked once, so a link cycle ends the walk instead of looping."""
+    uploads, or there are too many to check), or None. `folder` is a real path. Links are
+    followed, each real folder walked once, so a link cycle ends the walk instead of looping.
+    """
     seen = {folder}
-    pending = [folder]
+    pending = [(folder, folder)]  # (a folder as reached, its real path)
     entries = 0
     while pending:
-        current = pending.pop()
+        current, current_real = pending.pop()
         with os.scandir(current) as listing:
             for entry in listing:
                 entries += 1
                 if entries > MAX_FOLDER_ENTRIES:
                     return f"the folder holds more than {MAX_FOLDER_ENTRIES} files and folders"
-                real = Path(os.path.realpath(entry.path))
-                name = _shown(os.path.relpath(entry.path, folder))
+                if entry.is_symlink():
+                    real = Path(os.path.realpath(entry.path))
+                    is_dir = real.is_dir()
+                else:
+                    # Not a link, in a folder whose real path is known: that is its real
+                    # path too. Only links cost a walk of the path (a model folder's files
+                    # are checked on every validate and create).
+                    real = current_real / entry.name
+                    is_dir = entry.is_dir(follow_symlinks=False)
                 if not _inside(real, roots):
-                    return f"{name} in it leads outside the allowed roots"
+                    return f"{_entry_name(entry, folder)} in it leads outside the allowed roots"
                 if _inside(real, refused):
-                    return f"{name} in it leads into the service's uploads folder"
-                if real.is_dir() and real not in seen:
+                    where = "the service's uploads folder"
+                    return f"{_entry_name(entry, folder)} in it leads into {where}"
+                if is_dir and real not in seen:
                     seen.add(real)
-                    pending.append(Path(entry.path))
+                    pending.append((Path(entry.path), real))
     return None
+
+
+def _entry_name(entry: os.DirEntry[str], folder: Path) -> str:
+    return _shown(os.path.relpath(entry.path, folder))
 
 
 def _inside(path: Path, folders: Sequence[Path]) -> bool:

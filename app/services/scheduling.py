@@ -136,9 +136,10 @@ def queue_order(queued: Sequence[Queued], usage: Mapping[str, Usage]) -> list[Qu
     taken: dict[str, Usage] = {owner: Usage(u.runs, u.gpus) for owner, u in usage.items()}
     heads = {key: 0 for key in by_key}
     order: list[Queued] = []
-    for priority in sorted({p for p, _ in by_key}, reverse=True):
+    priorities = sorted({p for p, _ in by_key}, reverse=True)
+    for priority in priorities:
         keys = [key for key in by_key if key[0] == priority]
-        while keys:
+        while len(keys) > 1:
             # Few keys wait at once; a scan per pick is cheaper than keeping a heap fresh.
             best = min(keys, key=lambda k: _fair_share_rank(by_key[k][heads[k]], taken))
             run = by_key[best][heads[best]]
@@ -149,6 +150,15 @@ def queue_order(queued: Sequence[Queued], usage: Mapping[str, Usage]) -> list[Qu
             heads[best] += 1
             if heads[best] == len(by_key[best]):
                 keys.remove(best)
+        if keys:
+            # One key left at this priority: the rest of its runs in their order, no picks.
+            rest = by_key[keys[0]][heads[keys[0]] :]
+            order.extend(rest)
+            if priority == priorities[-1]:
+                break  # nothing after them: what they take counts for no one
+            used = taken.setdefault(rest[0].owner, Usage())
+            used.runs += len(rest)
+            used.gpus += sum(run.ask.gpus for run in rest)
     return order
 
 
