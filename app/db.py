@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import select
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DisconnectionError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 T = TypeVar("T")
@@ -53,7 +55,11 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
     then share the database in WAL mode instead of queueing for the write lock."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True, **_pool_options())
+        psycopg3 = parsed.get_driver_name() == "psycopg"
+        engine = create_engine(url, pool_pre_ping=not psycopg3, **_pool_options())
+        if psycopg3:
+            _drop_closed_connections(engine)
+        return engine
 
     on_disk = bool(parsed.database) and parsed.database != ":memory:"
     if on_disk:
@@ -85,6 +91,29 @@ def make_engine(url: str, *, for_writes: bool = True) -> Engine:
         conn.connection.driver_connection.execute("BEGIN IMMEDIATE" if for_writes else "BEGIN")
 
     return engine
+
+
+def _drop_closed_connections(engine: Engine) -> None:
+    """A pooled connection the server has closed (a restart, an idle timeout, an operator's
+    pg_terminate_backend) is replaced at checkout, so no request fails on it.
+
+    SQLAlchemy's `pool_pre_ping` would ask the server on every checkout: a round trip, and a
+    wait for the GIL on the way back, an eighth of the service's CPU under load (BENCHMARKS.md).
+    A server that closes a connection says so on its socket (a FATAL notice, then EOF), while
+    an idle connection of tuneyard's gets nothing unasked (it LISTENs to nothing). So one
+    whose socket has something to read is dropped, without a round trip, and the pool takes
+    the next; the rare notice that was harmless costs a reconnect. (Drivers other than
+    psycopg 3 get the pre-ping.)"""
+
+    @event.listens_for(engine, "checkout")
+    def _check(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        try:
+            readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
+        except (OSError, ValueError, psycopg.OperationalError):  # no socket left at all
+            readable = [True]
+        if readable:
+            # The pool closes this one and checks out another (SQLAlchemy's documented way).
+            raise DisconnectionError("the server closed this pooled connection")
 
 
 def make_read_engine(url: str, write_engine: Engine) -> Engine:
