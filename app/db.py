@@ -25,8 +25,11 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # therefore never waits for a connection, and nothing that waits can hold the connection
 # another waiter needs. With 2 processes on one PostgreSQL this stays well under its default
 # of 100 connections.
-#   request sessions (`SessionDep`, `run_in_read_session`) admitted at once
-REQUEST_SESSION_SLOTS = 24
+#   request sessions (`SessionDep`, `run_in_read_session`) admitted at once. More is slower:
+#   each admitted session's thread hands the GIL back and forth with the others and the
+#   loop, and under 200 clients on PostgreSQL 24 slots gave a p99 of 1.6-2.2 s against
+#   1.2-1.3 s with 12, and fewer requests answered (BENCHMARKS.md, load).
+REQUEST_SESSION_SLOTS = 12
 #   API-key lookups: slots of their own, as one runs while its request's session is admitted
 KEY_LOOKUP_SLOTS = 4
 #   work outside requests: the dispatcher and reconciler (one thread), a /metrics scrape
