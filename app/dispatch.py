@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.background import TickLoop
 from app.db import transaction
-from app.logs import run_log
+from app.logs import RepeatedWarning, run_log
 from app.metrics import ServiceMetrics
 from app.models import Run, utcnow
 from app.ray_jobs import (
@@ -156,6 +156,7 @@ class Dispatcher(TickLoop):
         self._ray_retry_at = 0.0
         self._schedule_rest_until = 0.0
         self._sqlite = session_factory.kw["bind"].dialect.name == "sqlite"
+        self._ray_unavailable = RepeatedWarning(log)
         super().__init__(interval_s=settings.dispatch_interval_s)
 
     def rest_s(self) -> float:
@@ -343,10 +344,11 @@ class Dispatcher(TickLoop):
             try:
                 state = self.jobs.state(run.ray_submission_id)
             except RayUnavailable as exc:
-                log.warning("reconcile: Ray unavailable: %s", exc)
+                self._ray_unavailable.warning("reconcile: Ray unavailable: %s", exc)
                 if self.revive_ray is not None:
                     self.revive_ray()
                 return
+            self._ray_unavailable.clear()
             self._reconcile(run, state)
 
     def _reconcile(self, seen: Run, state: JobState | None) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import MutableMapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -102,6 +103,35 @@ class RunIdMiddleware:
             await self.app(scope, receive, send)
         finally:
             current_run_id.reset(token)
+
+
+class RepeatedWarning:
+    """A warning that a loop can hit many times a second while one condition lasts (Ray
+    unreachable, seen by the reconciler on every tick, and every create wakes it: about 50
+    lines a second under load). Logged at once, then at most once every `every_s` seconds,
+    saying how many were held back. `clear()` when the condition ends, so that the next time
+    it starts is logged at once."""
+
+    def __init__(self, logger: logging.Logger, *, every_s: float = 60.0) -> None:
+        self._logger = logger
+        self._every_s = every_s
+        self._next_at: float | None = None
+        self._held_back = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if self._next_at is not None and now < self._next_at:
+            self._held_back += 1
+            return
+        if self._held_back:
+            message += f" ({self._held_back} more like it in the last {self._every_s:.0f} s)"
+        self._logger.warning(message, *args)
+        self._next_at = now + self._every_s
+        self._held_back = 0
+
+    def clear(self) -> None:
+        self._next_at = None
+        self._held_back = 0
 
 
 # -- redaction ------------------------------------------------------------------------------

@@ -466,6 +466,43 @@ class TestReconcile:
         dispatcher.reconcile_live_runs()
         assert _run(session_factory, run_id).status == "starting"
 
+    def test_ray_unreachable_is_logged_once_a_minute_not_every_tick(
+        self,
+        run_id: str,
+        dispatcher: Dispatcher,
+        ray: ScriptedRay,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """Every create wakes the reconciler: with Ray down that was a warning per create."""
+        now = [1000.0]
+        monkeypatch.setattr("app.logs.time.monotonic", lambda: now[0])
+        up = ray.state
+
+        def down(_: str) -> None:
+            raise RayUnavailable("down")
+
+        def warnings() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "Ray unavailable" in r.getMessage()]
+
+        monkeypatch.setattr(ray, "state", down)
+        for _ in range(50):  # 50 ticks in 10 s
+            dispatcher.reconcile_live_runs()
+            now[0] += 0.2
+        assert warnings() == ["reconcile: Ray unavailable: down"]
+        now[0] += 60
+        dispatcher.reconcile_live_runs()
+        assert warnings()[1:] == [
+            "reconcile: Ray unavailable: down (49 more like it in the last 60 s)"
+        ]
+
+        # Back, then down again: the new outage is logged at once.
+        monkeypatch.setattr(ray, "state", up)
+        dispatcher.reconcile_live_runs()
+        monkeypatch.setattr(ray, "state", down)
+        dispatcher.reconcile_live_runs()
+        assert len(warnings()) == 3
+
 
 class TestJobEnvironment:
     """What `build_runtime_env` gives every job beyond the run itself: the operator's
