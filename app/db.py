@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,8 @@ BACKGROUND_CONNECTIONS = 4
 POOL_MAX_OVERFLOW = 8
 # How long a checkout waits before failing; with the sizes above, only uncounted work waits.
 POOL_TIMEOUT_S = 30.0
+# A PostgreSQL connection idle this long is pinged at checkout (see _drop_closed_connections).
+IDLE_PING_S = 10.0
 
 
 def pool_size() -> int:
@@ -102,21 +105,44 @@ def _drop_closed_connections(engine: Engine) -> None:
 
     SQLAlchemy's `pool_pre_ping` would ask the server on every checkout: a round trip, and a
     wait for the GIL on the way back, an eighth of the service's CPU under load (BENCHMARKS.md).
-    A server that closes a connection says so on its socket (a FATAL notice, then EOF), while
-    an idle connection of tuneyard's gets nothing unasked (it LISTENs to nothing). So one
-    whose socket has something to read is dropped, without a round trip, and the pool takes
-    the next; the rare notice that was harmless costs a reconnect. (Drivers other than
-    psycopg 3 get the pre-ping.)"""
+    Instead: a server that closes a connection says so on its socket (a FATAL notice, then
+    EOF), while an idle connection of tuneyard's gets nothing unasked (it LISTENs to
+    nothing), so one whose socket has something to read is dropped without a round trip (the
+    rare harmless notice costs a reconnect). A connection that a firewall or NAT forgot on
+    the way shows nothing until it is used: one idle for over IDLE_PING_S is pinged as the
+    pre-ping would. Under load connections come back within milliseconds and are never
+    pinged. (Drivers other than psycopg 3 get the pre-ping.)"""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        record.info["checked_in_at"] = time.monotonic()
 
     @event.listens_for(engine, "checkout")
-    def _check(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-        try:
-            readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
-        except (OSError, ValueError, psycopg.OperationalError):  # no socket left at all
-            readable = [True]
-        if readable:
+    def _check(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_s = time.monotonic() - record.info.get("checked_in_at", time.monotonic())
+        if _server_has_spoken(dbapi_connection) or (
+            idle_s > IDLE_PING_S and not _answers_ping(engine, dbapi_connection)
+        ):
             # The pool closes this one and checks out another (SQLAlchemy's documented way).
             raise DisconnectionError("the server closed this pooled connection")
+
+
+def _server_has_spoken(dbapi_connection: Any) -> bool:
+    # poll, not select: select refuses descriptors past 1024, which a busy process has.
+    poller = select.poll()
+    try:
+        poller.register(dbapi_connection.pgconn.socket, select.POLLIN)
+    except psycopg.OperationalError:  # no socket left at all
+        return True
+    return bool(poller.poll(0))
+
+
+def _answers_ping(engine: Engine, dbapi_connection: Any) -> bool:
+    try:
+        engine.dialect.do_ping(dbapi_connection)
+    except Exception:
+        return False
+    return True
 
 
 def make_read_engine(url: str, write_engine: Engine) -> Engine:

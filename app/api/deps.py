@@ -47,6 +47,9 @@ class AppState:
     admission: Admission = field(default_factory=lambda: Admission())
     # SQLite writes on the event loop (`run_in_write_session`).
     loop_writer: LoopWriter = field(init=False)
+    # Calls to Ray's dashboard from requests (health, a job's log), which Ray's client makes
+    # with no timeout: threads of their own, outside the database's admission.
+    ray_calls: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(8))
 
     def __post_init__(self) -> None:
         self.loop_writer = LoopWriter(self.session_factory, self.admission.sessions)
@@ -326,6 +329,16 @@ async def read_as_caller(request: Request, read: Callable[[Session, Principal], 
         return read(session, Principal(id=key.id, name=key.name))
 
     return await run_in_read_session(request, checked)
+
+
+async def bearer_present(request: Request) -> None:
+    """401 at once for a request with no key at all, before its parameters are checked, for
+    routes that check the key itself together with their read (`read_as_caller`)."""
+    if app_state(request).settings.auth != "disabled" and not bearer_token(request):
+        raise unauthorized()
+
+
+BearerPresent = Depends(bearer_present)
 
 
 def unauthorized() -> Unauthorized:

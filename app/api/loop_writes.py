@@ -19,6 +19,7 @@ sleeps only while another connection holds the lock.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sqlite3
 import time
 from collections import deque
@@ -47,9 +48,21 @@ class _Waiting:
     write: Callable[[Session], Any]
     # Given up as SQLite's own busy timeout would, counted from when the write queued.
     deadline: float
+    # The request's context (its run id for log lines), for the write to run in.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
     done: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+    def answer(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self.done.done():
+            return
+        if error is None:
+            self.done.set_result(result)
+        elif isinstance(error, Exception) and not isinstance(error, StopIteration):
+            self.done.set_exception(error)
+        else:  # a Future takes neither StopIteration nor a BaseException as its error
+            self.done.set_exception(RuntimeError(f"the write raised {error!r}"))
 
 
 class LoopWriter:
@@ -75,11 +88,15 @@ class LoopWriter:
         waiting = _Waiting(
             request, write, deadline=time.monotonic() + db.SQLITE_BUSY_TIMEOUT_MS / 1000
         )
+        # A waiter that went away (a client gone) leaves its write queued: it still runs, and
+        # its error, if any, is taken here rather than logged as never retrieved.
+        waiting.done.add_done_callback(lambda done: done.cancelled() or done.exception())
         self._waiting.append(waiting)
         if self._drainer is None:
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())
-        # Shielded from the waiter's cancellation (a client gone): the write may be under
-        # way in the drainer; it completes, and the waiter's answer is dropped.
+            # In a context of its own, not the request's that happened to start it.
+            self._drainer = asyncio.get_running_loop().create_task(
+                self._drain(), context=contextvars.Context()
+            )
         return await asyncio.shield(waiting.done)
 
     async def _drain(self) -> None:
@@ -90,22 +107,24 @@ class LoopWriter:
                 first = self._waiting[0]
                 try:
                     async with self._slots.slot(first.request):
-                        done, result = db.write_if_unlocked(self._factory, first.write)
+                        done, result = first.context.run(
+                            db.write_if_unlocked, self._factory, first.write
+                        )
                 except Exception as exc:  # the write's own error: its waiter's answer
+                    first.answer(error=exc)
                     self._waiting.popleft()
-                    first.done.set_exception(exc)
                     continue
                 if done:
+                    first.answer(result)
                     self._waiting.popleft()
-                    first.done.set_result(result)
                     pause = FIRST_PAUSE_S  # the next at once: the lock is free now
                     if time.monotonic() - slice_began > TIME_SLICE_S:
                         await anyio.sleep(0)
                         slice_began = time.monotonic()
                     continue
                 if time.monotonic() >= first.deadline:
+                    first.answer(error=sqlite3.OperationalError("database is locked"))
                     self._waiting.popleft()
-                    first.done.set_exception(sqlite3.OperationalError("database is locked"))
                     continue
                 await anyio.sleep(pause)
                 pause = min(2 * pause, LAST_PAUSE_S)
@@ -114,6 +133,6 @@ class LoopWriter:
             self._drainer = None
             # Cancelled (the app shutting down): nobody is left to run what still waits.
             while self._waiting:
-                left = self._waiting.popleft()
-                if not left.done.done():
-                    left.done.set_exception(sqlite3.OperationalError("service shutting down"))
+                self._waiting.popleft().answer(
+                    error=sqlite3.OperationalError("the service is shutting down")
+                )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import (
     APIRouter,
     BackgroundTasks,
@@ -26,6 +28,7 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import (
     LOCAL_PRINCIPAL,
+    BearerPresent,
     ClusterDep,
     CurrentPrincipal,
     DispatcherDep,
@@ -233,6 +236,7 @@ async def validate_run(
 
 @router.get(
     "",
+    dependencies=[BearerPresent],
     response_model=RunList,
     summary="List runs, newest first",
     description="Filter by `status` and by metadata with `metadata.<key>=<value>` parameters.",
@@ -304,7 +308,11 @@ async def get_run(run_id: RunId, request: Request) -> Response:
 
 
 @router.get(
-    "/{run_id}/metrics", response_model=MetricList, summary="A run's metrics", responses=_errors
+    "/{run_id}/metrics",
+    dependencies=[BearerPresent],
+    response_model=MetricList,
+    summary="A run's metrics",
+    responses=_errors,
 )
 async def list_metrics(
     run_id: RunId,
@@ -464,6 +472,7 @@ def get_model(
 
 @router.get(
     "/{run_id}/logs",
+    dependencies=[BearerPresent],
     summary="The Ray job's log text",
     response_class=PlainTextResponse,
     responses=error_responses(
@@ -476,15 +485,23 @@ def get_model(
         non_json_route=True,
     ),
 )
-def get_logs(
+async def get_logs(
     run_id: RunId,
-    session: SessionDep,
-    principal: CurrentPrincipal,
+    request: Request,
     jobs: JobsDep,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="Last N lines")] = None,
 ) -> PlainTextResponse:
-    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    return PlainTextResponse(run_logs.read_logs(run, jobs=jobs, tail=tail))
+    # The run read under a database slot; the log from Ray (no timeout in its client) on
+    # threads of Ray's own, holding none.
+    run = await read_as_caller(
+        request,
+        lambda session, principal: runs.get_run(session, run_id=run_id, owner_id=principal.id),
+    )
+    text = await anyio.to_thread.run_sync(
+        functools.partial(run_logs.read_logs, run, jobs=jobs, tail=tail),
+        limiter=app_state(request).ray_calls,
+    )
+    return PlainTextResponse(text)
 
 
 @router.get(

@@ -205,7 +205,11 @@ def ordered_queue(db: Session | Connection) -> list[Queued]:
     Every create and every list of queued runs reads the whole queue, so the rows are read
     on the Core connection (no ORM loading) and each becomes its Queued with no more than
     it needs: this was a quarter of the service's CPU under load (BENCHMARKS.md)."""
-    connection = db.connection() if isinstance(db, Session) else db
+    if isinstance(db, Session):
+        db.flush()  # the caller's pending changes count, as a Session.execute would see them
+        connection = db.connection()
+    else:
+        connection = db
     usage: dict[str, Usage] = {}
     for owner, runs, gpus in connection.execute(
         select(Run.owner_id, func.count(), func.coalesce(func.sum(Run.gpus), 0))

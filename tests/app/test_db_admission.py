@@ -8,6 +8,7 @@ connection (issue 20). Real database, real app, requests through its ASGI interf
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -231,3 +232,55 @@ class TestWritesOnTheLoop:
         with TestClient(create_app(settings, start_background=False)) as check:
             stored = check.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
         assert [(m["step"], m["value"]) for m in stored] == [(7, 0.5)]
+
+
+class HungRay:
+    """Ray's dashboard answering nothing: its client sets no timeout, so calls wait."""
+
+    address = "http://user:secret@ray.invalid:8265"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.waiting = 0
+
+    def reachable(self) -> bool:
+        self.waiting += 1
+        self.release.wait(60)
+        return True
+
+
+def test_a_hung_ray_holds_up_health_checks_and_nothing_else(
+    tiny_pool: None, settings: Settings, session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """More unauthenticated health checks than the service has database slots, all waiting
+    on Ray: status polls are still answered (a health check holds no slot while it waits)."""
+    key = make_api_key(session_factory)
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(settings, start_background=False)) as setup:
+        run_id, _ = start_run(setup, auth, tmp_path, settings, session_factory)
+    app = create_app(settings, start_background=False)
+    ray = HungRay()
+
+    async def scenario() -> tuple[int, list[int]]:
+        async with app.router.lifespan_context(app):
+            app.state.tuneyard.jobs = ray
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                health: list[int] = []
+
+                async def check() -> None:
+                    health.append((await http.get("/healthz")).status_code)
+
+                with anyio.fail_after(60):
+                    async with anyio.create_task_group() as tg:
+                        for _ in range(2 * db.REQUEST_SESSION_SLOTS):
+                            tg.start_soon(check)
+                        while ray.waiting < db.REQUEST_SESSION_SLOTS:
+                            await anyio.sleep(0.05)
+                        poll = await http.get(f"/v1/runs/{run_id}", headers=auth)
+                        ray.release.set()
+                return poll.status_code, health
+
+    poll, health = anyio.run(scenario)
+    assert poll == 200
+    assert health == [200] * (2 * db.REQUEST_SESSION_SLOTS)

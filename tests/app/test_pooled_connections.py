@@ -3,12 +3,17 @@ per checkout (app/db.py `_drop_closed_connections`), on a real PostgreSQL."""
 
 from __future__ import annotations
 
+import os
+import resource
 import time
+from typing import Any
 
 import psycopg
+import pytest
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
+from app import db
 from app.db import make_engine
 
 
@@ -56,3 +61,52 @@ def test_a_connection_the_server_closed_is_replaced_and_none_is_pinged(postgres_
         assert pings == []
     finally:
         engine.dispose()
+
+
+def test_a_connection_idle_for_long_is_pinged_first(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection a firewall forgot shows nothing on its socket: past IDLE_PING_S idle,
+    the checkout asks the server, as the pre-ping did on every checkout."""
+    engine = make_engine(postgres_url)
+    pings = _count_pings(engine)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        monkeypatch.setattr(db, "IDLE_PING_S", 0.0)
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        assert len(pings) == 1
+    finally:
+        engine.dispose()
+
+
+def test_connections_past_1024_open_files_are_checked_too(postgres_url: str) -> None:
+    """select() refuses descriptors from 1024 on, and a busy service has that many."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"the open-file limit here is {soft}")
+    engine = make_engine(postgres_url)
+    held = [open(os.devnull) for _ in range(1100)]  # noqa: SIM115
+    try:
+        for _ in range(2):
+            with engine.connect() as connection:
+                assert connection.execute(text("SELECT 1")).scalar_one() == 1
+                fd = connection.connection.dbapi_connection.pgconn.socket  # type: ignore[union-attr]
+        assert fd >= 1024
+    finally:
+        for f in held:
+            f.close()
+        engine.dispose()
+
+
+def _count_pings(engine: Any) -> list[object]:
+    pings: list[object] = []
+    ping = engine.dialect.do_ping
+
+    def counted(dbapi_connection: object) -> bool:
+        pings.append(dbapi_connection)
+        return bool(ping(dbapi_connection))
+
+    engine.dialect.do_ping = counted
+    return pings

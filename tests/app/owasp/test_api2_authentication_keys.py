@@ -142,3 +142,20 @@ class TestRevokeCommand:
         assert "by id" in result.stderr
         for secret in (first, second):
             assert client.get("/v1/runs", headers={"Authorization": f"Bearer {secret}"}).is_success
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/v1/runs?limit=0",
+        "/v1/runs/run_x/metrics?limit=0",
+        "/v1/runs/run_x/logs?tail=0",
+        "/v1/runs/run_x/events?limit=0",
+    ],
+)
+def test_no_key_is_refused_before_the_parameters_are_checked(replica: TestClient, url: str) -> None:
+    """Without a key a client learns nothing, not even which parameter breaks a rule; the
+    routes that check the key on their own read (read_as_caller) included."""
+    answer = replica.get(url)
+    assert answer.status_code == 401, answer.text
+    assert answer.headers["WWW-Authenticate"].startswith("Bearer")
