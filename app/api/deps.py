@@ -114,6 +114,8 @@ class Admission:
 
     API-key lookups have slots of their own: a lookup runs while its request's session holds
     a slot, and taking a second slot of the same kind could wait on the sessions it holds up.
+    (On SQLite a lookup runs on the loop, one at a time, and takes none.) Calls to Ray from
+    requests hold no slot (`AppState.ray_calls`): Ray's client waits without a timeout.
     A session slot is never taken while another is held (`run_in_read_session` serves routes
     without `SessionDep`). A request's second and later slots go ahead of new requests
     (app/api/slots.py), so one that needs several waits for admission about once."""
