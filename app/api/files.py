@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Annotated, Literal, TypeVar
 
 import anyio
@@ -19,12 +18,16 @@ from fastapi import (
     status,
 )
 from pydantic import AfterValidator
-from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.body_limit import UploadLimitedRoute
-from app.api.deps import CurrentPrincipal, SessionDep, SettingsDep, app_state, is_sqlite
+from app.api.deps import (
+    CurrentPrincipal,
+    SessionDep,
+    SettingsDep,
+    app_state,
+    run_in_write_session,
+)
 from app.api.openai_compat import speaks_openai
-from app.db import transaction
 from app.models import File
 from app.schemas.errors import error_responses
 from app.schemas.file_view import FileList, FileView
@@ -124,10 +127,12 @@ async def upload_file(
     # without its file until the next sweep.
     with anyio.CancelScope(shield=True):
         try:
-            async with _one_writer(request):
-                row = await _admitted(
-                    request, lambda: _record(state.session_factory, received, principal.id)
-                )
+            row = await run_in_write_session(
+                request,
+                lambda session: files.record_upload(
+                    session, upload=received, owner_id=principal.id
+                ),
+            )
         except BaseException:
             files.discard_upload(received)
             raise
@@ -138,25 +143,6 @@ async def upload_file(
 def _view(request: Request, row: File) -> FileView | OpenAIFile:
     """tuneyard's view of a file, or OpenAI's for its clients (app/api/openai_compat.py)."""
     return OpenAIFile.of(row) if speaks_openai(request) else FileView.of(row)
-
-
-def _record(factory: sessionmaker[Session], received: files.ReceivedUpload, owner_id: str) -> File:
-    with transaction(factory) as session:
-        row = files.record_upload(session, upload=received, owner_id=owner_id)
-    # Read after the commit: the row's attributes stay loaded (expire_on_commit is off) or
-    # are refreshed here, on this thread, never on the event loop.
-    return row
-
-
-@asynccontextmanager
-async def _one_writer(request: Request) -> AsyncIterator[None]:
-    """SQLite's one-writer lock, as get_session takes it for write requests (no-op elsewhere)."""
-    state = app_state(request)
-    if not is_sqlite(state.session_factory):
-        yield
-        return
-    async with state.sqlite_write_lock:
-        yield
 
 
 async def _admitted(request: Request, work: Callable[[], T]) -> T:
