@@ -109,9 +109,21 @@ def tensor_parallel_straddles(
     return [g for g in groups if len({node_of_rank[r] for r in g}) > 1]
 
 
+# More workers than any request may ask for (resources.num_workers <= 1024): the answer for
+# a demand so small that the quotient overflows, or for a resource asked for not at all.
+MOST = 2**31
+
+
 def workers_that_fit(demand: Mapping[str, float], node: NodeResources) -> int:
     """How many workers of this shape one node holds."""
-    return min(math.floor(node.get(name, 0.0) / need + EPS) for name, need in demand.items())
+    return min((_fits(node.get(name, 0.0), need) for name, need in demand.items()), default=MOST)
+
+
+def _fits(have: float, need: float) -> int:
+    if need <= 0:
+        return MOST
+    quotient = have / need + EPS
+    return min(math.floor(quotient), MOST) if math.isfinite(quotient) else MOST
 
 
 # -- words --------------------------------------------------------------------------------

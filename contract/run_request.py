@@ -266,7 +266,8 @@ class ResourcesSpec(BaseModel):
 
     num_workers: int = Field(default=2, gt=0, le=1024)
     use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1, gt=0, le=1024)
+    # Ray accounts resources in units of 1e-4: a smaller share is a request for nothing.
+    cpus_per_worker: float = Field(default=1, ge=1e-4, le=1024)
     gpus_per_worker: int | None = Field(
         default=None,
         ge=1,
@@ -645,6 +646,9 @@ class RunSpec(RunDefinition):
 
     run_id: Name
     attempt: int = Field(ge=1, le=INT32_MAX)
+    # Set by the worker when `model` is its node's copy of a model in object storage: the
+    # name the run was given, which exports name as their base (never a node-local path).
+    model_name: str | None = None
     storage_path: Annotated[
         str, StringConstraints(max_length=MAX_PATH_BYTES), AfterValidator(_name)
     ]
@@ -658,6 +662,11 @@ class RunSpec(RunDefinition):
     def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
         kwargs["context"] = {**(kwargs.get("context") or {}), RESOLVED_SPEC: True}
         return super().model_validate_json(json_data, **kwargs)
+
+    @property
+    def given_model(self) -> str:
+        """The model as the run named it: a hub id, a local folder or a URI."""
+        return self.model_name or self.model
 
     @classmethod
     def for_attempt(

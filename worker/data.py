@@ -221,7 +221,11 @@ def tokenize_prompt_completion(
 
 
 def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None) -> Any:
-    """Concatenate examples (eos between them) and cut full `seq_length` blocks: no padding.
+    """Concatenate examples and cut full `seq_length` blocks: no padding. Plain text gains a
+    learned eos after each example that lacks one (where a document ends is worth learning);
+    rows with their own labels (prompt_completion, chat) are joined as they are, since their
+    labels already say what is learned — a ChatML row ends in `<|im_end|>\n`, and an eos
+    learned after it is a token the same data, unpacked, never learns.
 
     Each example keeps its own positions, restarting at 0 in `position_ids`, so a model fed
     through `model_inputs` attends within each example only, and its first token is no
@@ -239,7 +243,11 @@ def pack_sequences(tokenized: Any, *, seq_length: int, eos_token_id: int | None)
         for i, row in enumerate(batch["input_ids"]):
             row_ids = list(row)
             row_labels = list(batch["labels"][i] if has_labels else row)
-            if eos_token_id is not None and (not row_ids or row_ids[-1] != eos_token_id):
+            if (
+                not has_labels
+                and eos_token_id is not None
+                and (not row_ids or row_ids[-1] != eos_token_id)
+            ):
                 row_ids.append(eos_token_id)
                 row_labels.append(eos_token_id)
             if row_labels:

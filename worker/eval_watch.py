@@ -9,6 +9,7 @@ best (a restart must neither forget an improvement nor grant fresh patience).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ class EvalWatch:
         self.mode: Mode = criterion[1] if criterion else "min"
         self.stopping = spec.early_stopping
         self.state = WatchState()
+        # The step of the latest evaluation and its value of the metric (not kept across
+        # a resume: the checkpoint of that step was reported before it).
+        self._evaluated: tuple[int, float] | None = None
 
     @property
     def active(self) -> bool:
@@ -45,6 +49,7 @@ class EvalWatch:
         if self.metric is None:
             return None
         s = self.state
+        self._evaluated = step, metrics[self.metric]
         if at_least_as_good(metrics[self.metric], s.best_value, mode=self.mode):
             s.best_value, s.best_step = metrics[self.metric], step
         es = self.stopping
@@ -68,6 +73,23 @@ class EvalWatch:
             f"{s.stop_best:.6g}"
         )
         return s.stopped
+
+    def ranked(self, metrics: dict[str, Any], *, step: int) -> dict[str, Any]:
+        """`metrics` as a checkpoint at `step` reports them to Ray Train, whose retention
+        ranks by this watch's metric (worker/trainer.py `checkpoint_config`): with the value
+        evaluated at `step`, or NaN where no evaluation ran at it (a preemption's or a
+        periodic checkpoint), never without it and never with an earlier evaluation's.
+
+        Ray scores a missing metric as -inf times the order, which under `min` outranks
+        every real checkpoint, and a NaN below everything (ray/train/_internal/
+        checkpoint_manager.py `_get_checkpoint_score`): so a checkpoint between evaluations
+        is the first pruned and never displaces the best, which `export.from: best` loads.
+        An earlier evaluation's value would tie the best and, being later, displace it."""
+        if self.metric is None:
+            return metrics
+        evaluated = self._evaluated
+        value = evaluated[1] if evaluated is not None and evaluated[0] == step else math.nan
+        return {**metrics, self.metric: value}
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self.state)

@@ -53,7 +53,7 @@ def save_adapter(module: Any, state: dict[str, Any], out: Path, *, spec: RunSpec
     """adapter_config.json and adapter_model.safetensors: the LoRA weights picked out of
     the full (gathered) state dict of the PeftModel, by peft itself."""
     module.save_pretrained(out, state_dict=state, safe_serialization=True)
-    _name_base_model(out, spec.model)
+    _name_base_model(out, spec.given_model)
 
 
 def _name_base_model(out: Path, model: str) -> None:

@@ -304,10 +304,14 @@ def optimizer_groups(model: Any, *, weight_decay: float, all_decay: bool) -> lis
             # real shape.
             ndim = len(getattr(param, "ds_shape", param.shape))
             (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(param)
-    return [
+    # Never an empty group: a LoRA model's trainable parameters are all matrices, and an
+    # empty group is dropped by DeepSpeed's wrapper, leaving the scheduler built over more
+    # groups than the optimizer it steps has (torch's `_update_lr` then fails at step 1).
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
 
 
 def build_optimizer(spec: RunSpec, model: Any, *, total_steps: int) -> tuple[Any, Any]:

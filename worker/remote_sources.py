@@ -64,6 +64,7 @@ def with_local_sources(spec: RunSpec) -> RunSpec:
     return spec.model_copy(
         update={
             "model": local_copy(spec.model),
+            "model_name": spec.given_model,
             "dataset": dataset.model_copy(update=sources),
         }
     )

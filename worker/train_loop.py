@@ -223,7 +223,8 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
             spec,
             step=at,
             epoch=plan.epoch_at(at),
-            metrics={**sinks.latest, **(marker or {})},
+            # With the ranking metric of this step, NaN between evaluations (see `ranked`).
+            metrics=watch.ranked({**sinks.latest, **(marker or {})}, step=at),
             watch=watch.state_dict(),
         )
         saved_at = at

@@ -136,7 +136,7 @@ def list_fine_tuning_jobs(
         limit=limit,
         metadata=_metadata_filter(request),
     )
-    tokens = openai_jobs.trained_tokens(session, [r.id for r in page])
+    tokens = openai_jobs.trained_tokens(session, page)
     return JobPage(
         data=[openai_jobs.job_view(r, trained_tokens=tokens.get(r.id)) for r in page],
         has_more=has_more,
@@ -153,7 +153,7 @@ async def get_fine_tuning_job(job_id: JobId, request: Request) -> Job:
     # What the SDK's clients poll: key and job read on one connection (read_as_caller).
     def read(session: Session, caller: Principal) -> Job:
         run = openai_jobs.get_job(session, job_id=job_id, owner_id=caller.id)
-        tokens = openai_jobs.trained_tokens(session, [run.id])
+        tokens = openai_jobs.trained_tokens(session, [run])
         return openai_jobs.job_view(run, trained_tokens=tokens.get(run.id))
 
     return await read_as_caller(request, read)

@@ -316,10 +316,12 @@ def _unix(moment: datetime) -> int:
     return int(utc.timestamp())
 
 
-def trained_tokens(session: Session, run_ids: Sequence[str]) -> dict[str, int]:
-    """Input tokens trained per run: the worker's per-step `tokens` metric summed over the
-    steps, each step's value from the latest attempt that logged it (a resumed attempt
-    re-trains the steps after its checkpoint)."""
+def trained_tokens(session: Session, runs: Sequence[Run]) -> dict[str, int]:
+    """Input tokens trained per ended run: the worker's per-step `tokens` metric summed over
+    the steps, each step's value from the latest attempt that logged it (a resumed attempt
+    re-trains the steps after its checkpoint). A live run has none: OpenAI documents
+    `trained_tokens` as null while the job is still running."""
+    run_ids = [run.id for run in runs if RunStatus(run.status).is_terminal()]
     if not run_ids:
         return {}
     latest = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 from sqlalchemy import and_, or_, select, tuple_
 from sqlalchemy.orm import Session
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session
 from app.errors import ValidationFailed, field_problem
 from app.models import Checkpoint, Event, Metric, Run
 from contract.bounds import INT32_MAX
+from contract.eval_metrics import Mode
 from contract.run_request import RunDefinition
 
 MAX_METRICS_PAGE = 10_000
@@ -83,8 +85,8 @@ def pruned_checkpoints(checkpoints: list[Checkpoint], *, definition: RunDefiniti
     (worker/trainer.py `checkpoint_config`; a resumed attempt restores Ray Train's checkpoint
     manager with the checkpoints, so the order runs across attempts): it keeps the
     `keep_last` ranked highest and, always, the latest reported. Ranked by the order
-    reported; with a best metric, by the metric (a non-finite value lowest, ties to the
-    later), as ray/train/_internal/checkpoint_manager.py's `_get_checkpoint_score` does."""
+    reported, or by the best metric as ray/train/_internal/checkpoint_manager.py's
+    `_get_checkpoint_score` scores it, ties to the later."""
     keep_last = definition.checkpointing.keep_last
     reported = sorted((c for c in checkpoints if c.kind == "deepspeed"), key=lambda c: c.id)
     if not reported:
@@ -92,19 +94,26 @@ def pruned_checkpoints(checkpoints: list[Checkpoint], *, definition: RunDefiniti
     ranked = reported
     if (criterion := definition.best_criterion) is not None:
         metric, mode = criterion
-        sign = 1.0 if mode == "max" else -1.0
-
-        def score(c: Checkpoint) -> tuple[bool, float]:
-            value = c.metrics.get(metric)
-            if not isinstance(value, int | float):
-                # Stored "inf"/"-inf" rank as such; NaN (or none) below everything.
-                value = {"inf": math.inf, "-inf": -math.inf}.get(str(value), math.nan)
-            return (value == value, sign * value if value == value else 0.0)
-
         # sorted() is stable: ties keep the order reported, the later ranked higher.
-        ranked = sorted(reported, key=score)
+        ranked = sorted(reported, key=lambda c: ray_checkpoint_score(c.metrics, metric, mode))
     latest = reported[-1].id
     return {c.id for c in ranked[: max(len(ranked) - keep_last, 0)] if c.id != latest}
+
+
+def ray_checkpoint_score(
+    metrics: Mapping[str, object], metric: str, mode: Mode
+) -> tuple[bool, float]:
+    """Ray Train's score of a checkpoint reported with `metrics` (as stored: a non-finite
+    value by its kind's name), higher ranked higher: the value times the order, with NaN
+    below everything. A checkpoint without the metric is scored as a value of -inf, which
+    for `min` is the best of all: a worker from before every checkpoint carried the metric
+    (worker/eval_watch.py `ranked`) reported a preemption's checkpoint so, and Ray kept it
+    over the best one."""
+    value = metrics.get(metric, -math.inf)
+    if not isinstance(value, int | float):
+        value = {"inf": math.inf, "-inf": -math.inf}.get(str(value), math.nan)
+    score = (1.0 if mode == "max" else -1.0) * value
+    return (False, -math.inf) if math.isnan(score) else (True, score)
 
 
 def list_events(session: Session, *, run: Run, after: int | None, limit: int) -> list[Event]:

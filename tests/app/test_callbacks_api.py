@@ -112,6 +112,25 @@ class TestMetricsCallback:
         assert run["progress"]["fraction"] == pytest.approx(0.5)
         assert run["latest_metrics"]["loss"] == pytest.approx(4.5)
 
+    def test_trained_tokens_are_null_until_the_job_ends(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        # OpenAI documents `trained_tokens` as null while the job runs, not a running count.
+        run_id, worker = started
+        post_status(client, run_id, worker, "running", check=True)
+        body = {"attempt": 1, "points": _points(range(1, 4), name="tokens", base=100.0)}
+        r = client.post(f"/v1/internal/runs/{run_id}/metrics", json=body, headers=worker)
+        assert r.status_code == 200, r.text
+        jobs = f"/v1/fine_tuning/jobs/{run_id}"
+        assert client.get(jobs, headers=auth).json()["trained_tokens"] is None
+        listed = client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"]
+        assert [job["trained_tokens"] for job in listed] == [None]
+        post_status(client, run_id, worker, "succeeded", check=True)
+        # 99.9 + 99.8 + 99.7, each step's value truncated to whole tokens once summed.
+        assert client.get(jobs, headers=auth).json()["trained_tokens"] == 299
+        listed = client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"]
+        assert [job["trained_tokens"] for job in listed] == [299]
+
     def test_out_of_order_posts_keep_the_latest_step(
         self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
     ) -> None:

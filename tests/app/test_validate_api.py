@@ -232,6 +232,19 @@ class TestValidate:
         with session_factory() as session:
             assert session.scalar(select(func.count()).select_from(Run)) == 0
 
+    @pytest.mark.parametrize("cpus", [5e-324, 1e-5, 0])
+    def test_a_vanishing_cpu_share_is_a_field_error_not_a_500(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, cpus: float
+    ) -> None:
+        # schemathesis found 5e-324: the placement rule divided a node's CPUs by it and
+        # turned infinity into an integer.
+        body = run_request(tmp_path, resources={"num_workers": 1, "cpus_per_worker": cpus})
+        response = client.post("/v1/runs/validate", json=body, headers=auth)
+        assert response.status_code == 200, response.text
+        report = response.json()
+        assert report["valid"] is False
+        assert [e["field"] for e in report["errors"]] == ["resources.cpus_per_worker"]
+
     def test_needs_an_api_key(self, client: TestClient, tmp_path: Path) -> None:
         assert client.post("/v1/runs/validate", json=run_request(tmp_path)).status_code == 401
 

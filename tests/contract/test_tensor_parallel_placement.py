@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from contract.placement import placement_shortfalls, tensor_parallel_straddles
+from contract.placement import (
+    MOST,
+    placement_shortfalls,
+    tensor_parallel_straddles,
+    workers_that_fit,
+)
 from contract.run_request import ResourcesSpec
 from worker.nodes import layout_message
 
@@ -61,3 +66,10 @@ class TestWhereRayPlacedThem:
         assert layout_message(["a" * 20, "a" * 20, "b" * 20]) == (
             "3 workers on 2 nodes (node aaaaaaaaaaaa: ranks 0, 1; node bbbbbbbbbbbb: rank 2)"
         )
+
+
+@pytest.mark.parametrize("need", [5e-324, 1e-300, 0.0])
+def test_any_demand_the_arithmetic_meets_gives_a_whole_count(need: float) -> None:
+    # A quotient that overflows to infinity must not reach int(): that was a 500.
+    assert workers_that_fit({"CPU": need}, {"CPU": 64.0}) == MOST
+    assert workers_that_fit({"CPU": 1.0, "GPU": need}, {"CPU": 3.0, "GPU": 1.0}) == 3

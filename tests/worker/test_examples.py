@@ -291,11 +291,27 @@ class TestPackSequences:
 
         packed = pack_sequences(rows, seq_length=3, eos_token_id=0)
 
-        # The truncated middle example gets an eos, learned like any eos. The block
-        # [0, 8, 9] has no target after its first position (HF shifts labels by one), so it
-        # is dropped rather than trained on with a NaN loss.
-        assert packed["input_ids"] == [[5, 6, 7], [10, 0, 11]]
-        assert packed["labels"] == [[-100, 6, 7], [10, 0, -100]]
+        # Rows with labels are joined as they are: the truncated middle example gains no
+        # eos. The block [0, 8, 9] has no target after its first position (HF shifts labels
+        # by one), so it is dropped rather than trained on with a NaN loss.
+        assert packed["input_ids"] == [[5, 6, 7], [10, 11, 12]]
+        assert packed["labels"] == [[-100, 6, 7], [10, -100, 12]]
+
+    def test_rows_with_labels_learn_no_token_unpacked_rows_would_not(self) -> None:
+        # ChatML rows end in `<|im_end|>\n` (here 3, 4), not in eos (0): packing must not
+        # append a learned eos after the final turn, nor after a user turn or a cut.
+        rows = in_memory_dataset(
+            {
+                "input_ids": [[5, 6, 7, 3, 4], [8, 9, 3, 4], [10, 11, 12, 13]],
+                "labels": [[-100, -100, 7, 3, -100], [-100, 9, 3, -100], [-100, -100, -100, 13]],
+            }
+        )
+
+        packed = pack_sequences(rows, seq_length=13, eos_token_id=0)
+
+        assert packed["input_ids"] == [[5, 6, 7, 3, 4, 8, 9, 3, 4, 10, 11, 12, 13]]
+        learned = [t for t in packed["labels"][0] if t != IGNORE_INDEX]
+        assert learned == [7, 3, 9, 3, 13]
 
     def test_packed_prompt_completion_masks_exactly_the_prompts(self, tokenizer: Any) -> None:
         tokenized = tokenize_qa(qa_dataset(PROMPTS * 2, COMPLETIONS * 2), tokenizer)

@@ -264,3 +264,23 @@ def test_lora_run_matches_peft_exports_and_resumes(
         assert not any("lora" in n for n, _ in merged.named_parameters())
         assert_same_logits(logits_of(merged, data[0]), expected, data[0]["attention_mask"])
     assert (tmp_path / "storage" / "run_lora" / "export_check.pt").is_file()
+
+
+def test_an_adapter_names_the_model_as_the_run_gave_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # A model in object storage trains from the node's temporary copy; the adapter must name
+    # the URI the run was given, which is what its users can load the base from.
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from worker.lora import lora_config, save_adapter
+    from worker.remote_sources import cache_root
+
+    given = "s3://models/run_1/export"
+    copy = cache_root() / "0123abcd" / "export"
+    spec = spec_for(tiny_llama_dir, tmp_path, stage=0, export="adapter").model_copy(
+        update={"model": str(copy), "model_name": given}
+    )
+    module = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), lora_config(spec))
+    save_adapter(module, module.state_dict(), tmp_path / "adapter", spec=spec)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == given

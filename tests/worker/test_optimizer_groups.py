@@ -34,3 +34,23 @@ def test_one_group_when_nothing_needs_keeping_apart(
     (group,) = optimizer_groups(model, weight_decay=weight_decay, all_decay=all_decay)
     assert group["weight_decay"] == weight_decay
     assert len(group["params"]) == sum(1 for _ in model.parameters())  # type: ignore[attr-defined]
+
+
+def test_a_lora_model_gets_no_empty_group(tiny_model_dir: Path) -> None:
+    # A LoRA model's trainable parameters are all matrices: an empty no-decay group would
+    # leave DeepSpeed's optimizer with fewer groups than the scheduler was built over, and
+    # the first step fails in torch's `_update_lr` (the default weight decay is 0.01).
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lora = get_peft_model(base, LoraConfig(r=8, target_modules="all-linear"))
+    groups = optimizer_groups(lora, weight_decay=0.01, all_decay=False)
+    assert groups and all(group["params"] for group in groups)
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    assert sum(len(group["params"]) for group in groups) == len(trainable)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=4)
+    optimizer.step()
+    scheduler.step()

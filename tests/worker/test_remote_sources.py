@@ -71,4 +71,6 @@ def test_the_spec_points_at_the_copies(
     local = with_local_sources(spec)
     assert Path(local.dataset.source).read_text() == '{"text": "a"}\n'
     assert (Path(local.model) / "config.json").is_file()
+    # Exports name the model as the run gave it, not this node's temporary copy.
+    assert local.given_model == spec.model == storage.join("run_1", "export")
     assert local.storage_path == storage.root  # checkpoints still go to storage
