@@ -224,7 +224,16 @@ class TrainingSpec(BaseModel):
     learning_rate: float = Field(default=1e-5, gt=0, le=1)
     batch_size_per_worker: int = Field(default=1, gt=0, le=4096)
     gradient_accumulation_steps: int = Field(default=1, gt=0, le=4096)
-    seq_length: int = Field(default=512, gt=1, le=1_048_576)
+    seq_length: int | None = Field(
+        default=None,
+        gt=1,
+        le=1_048_576,
+        description="Tokens per example (or per packed row). Unset: chosen from the training "
+        "data when the run starts, the longest tokenized example rounded up to a multiple of "
+        "64 and at most the model's maximum positions; the run's events say what was chosen "
+        "and how many examples it truncated, and `/v1/runs/validate` predicts it for local "
+        "and uploaded files.",
+    )
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(default=0.01, ge=0, le=1)

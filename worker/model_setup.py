@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.run_request import RunSpec
+from contract.seq_length import choice_note, chosen_seq_length, seq_length_cap
 from worker.data import (
     CausalLMCollator,
     ClassificationCollator,
@@ -78,6 +79,8 @@ def prepare_examples(
     labels still maps each label to the id the model learned for it.
     """
     ds, tr = spec.dataset, spec.training
+    # with_seq_length resolves an unset one first (build_data, worker/data_plan.py).
+    assert tr.seq_length is not None, "seq_length must be resolved (with_seq_length)"
     if source is not None:
         # Another file's examples are all evaluated: max_samples limits training data.
         ds = ds.model_copy(update={"source": source, "config": None, "max_samples": None})
@@ -123,6 +126,43 @@ def prepare_examples(
     return examples, None
 
 
+def with_seq_length(spec: RunSpec, tokenizer: Any, *, notes: list[str]) -> RunSpec:
+    """The spec with training.seq_length chosen from the training data where the request
+    left it unset (contract/seq_length.py), and a note saying what was chosen.
+
+    The data is tokenized once at the cap + 1 (the model's maximum positions), unpacked,
+    to find the longest example and how many the cap truncates."""
+    if spec.training.seq_length is not None:
+        return spec
+    from transformers import AutoConfig
+
+    with _loading(spec.model):
+        config = AutoConfig.from_pretrained(spec.model).to_dict()
+    cap = seq_length_cap(config)
+    probe = spec.model_copy(
+        update={
+            "training": spec.training.model_copy(update={"seq_length": cap + 1, "packing": False})
+        }
+    )
+    examples, _ = prepare_examples(probe, tokenizer, split=None, notes=[])
+    columns = [name for name in examples.column_names if name.endswith("input_ids")]
+    lengths = [
+        max(len(ids) for ids in row)
+        for row in zip(*(examples[name] for name in columns), strict=True)
+    ]
+    longest = max(lengths, default=0)
+    chosen = chosen_seq_length(longest, cap)
+    truncated = sum(1 for n in lengths if n > chosen)
+    note = choice_note(
+        chosen=chosen, longest=longest, cap=cap, truncated=truncated, examples=len(lengths)
+    )
+    log.info(note)
+    notes.append(note)
+    return spec.model_copy(
+        update={"training": spec.training.model_copy(update={"seq_length": chosen})}
+    )
+
+
 def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
     """Rank 0 loads and tokenizes first (filling the `datasets` cache); the others then
     read the cache instead of racing to write it."""
@@ -133,7 +173,8 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
     def prepare() -> tuple[Any, Any, Any]:
         # Every rank prepares the same data: rank 0's notes are the run's.
         notes.clear()
-        train, labels = prepare_examples(spec, tokenizer, split=None, notes=notes)
+        resolved = with_seq_length(spec, tokenizer, notes=notes)
+        train, labels = prepare_examples(resolved, tokenizer, split=None, notes=notes)
         evaluation = None
         if wanted := spec.dataset.eval_wanted():
             eval_source, eval_split = wanted
@@ -141,7 +182,7 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
             # tokenize_classification, naming it.
             eval_notes: list[str] = []
             evaluation, _ = prepare_examples(
-                spec,
+                resolved,
                 tokenizer,
                 split=eval_split,
                 labels=labels,

@@ -39,6 +39,7 @@ def tokenize_preference(
 
     ds = spec.dataset
     seq_length = spec.training.seq_length
+    assert seq_length is not None  # resolved first (model_setup.with_seq_length)
 
     def encode(record: dict[str, Any], index: int) -> dict[str, list[int]]:
         problem = preference_record_problem(

@@ -70,7 +70,8 @@ def torch_trainer(
 
 def checkpoint_config(spec: RunSpec, config_class: Any) -> Any:
     """Retention: the newest `keep_last` checkpoints; with a best metric, the `keep_last`
-    best by it (each such checkpoint is reported with that metric, worker/train_loop.py).
+    best by it (every checkpoint is reported with that metric, NaN between evaluations so
+    that Ray ranks it lowest: worker/eval_watch.py `ranked`).
     Ray always keeps the latest too, for resume. app/services/run_data.py mirrors this to
     mark what was pruned."""
     criterion = spec.best_criterion

@@ -221,6 +221,9 @@ async def validate_run(
         )
 
     validation = await run_in_read_session(request, check, blocking=True)
+    # Counting packed data, or choosing an unset seq_length, runs the worker's own data
+    # preparation for seconds: after the session, on a thread of its own.
+    validation = await anyio.to_thread.run_sync(runs.with_data_plan, validation)
     if validation.profile is None or validation.spec is None:
         return validation.report
     measured = await profiles.profile_request(

@@ -70,6 +70,9 @@ _FP32 = 4
 def resolve(checked: CheckedRequest) -> dict[str, Any]:
     spec, plan = checked.resolved, checked.plan
     return {
+        # The request's, or where it is unset the one the worker will choose (null: chosen
+        # from data the service cannot read).
+        "seq_length": spec.training.seq_length or checked.seq_length,
         "deepspeed_config": _deepspeed_config(checked),
         "precision": resolve_precision(spec, bf16_supported=ASSUME_BF16_GPU),
         "data_parallel_size": spec.data_parallel_size,
@@ -90,7 +93,7 @@ def _deepspeed_config(checked: CheckedRequest) -> dict[str, Any]:
 
 
 def estimate(checked: CheckedRequest) -> dict[str, Any]:
-    spec = checked.resolved
+    spec = checked.costed
     model = parameters = None
     if checked.model_config is not None:
         folder = Path(spec.model)
@@ -113,7 +116,7 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
         "memory_per_worker": (
             memory_per_worker(spec, model, _deepspeed_config(checked)) if model else None
         ),
-        "tokens_per_step": global_batch_size(spec) * spec.training.seq_length,
+        "tokens_per_step": global_batch_size(spec) * _seq_length(spec),
         "method": "model_states_bytes_per_worker: ZeRO paper formulas for parameters, "
         "gradients and Adam state of the parameters in the model's safetensors files. "
         "memory_per_worker: what DeepSpeed 0.19.8 allocates at this stage, the ZeRO buckets "
@@ -463,10 +466,16 @@ def activation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> i
     per_layer = 4 * m.hidden + (attention + mlp) / tp
     # Checkpointing keeps each layer's input and rebuilds one layer at a time.
     kept = m.layers * m.hidden + per_layer if tr.gradient_checkpointing else m.layers * per_layer
-    tokens = rows_per_micro_batch(spec) * tr.seq_length
+    tokens = rows_per_micro_batch(spec) * _seq_length(spec)
     hidden_states = tokens * width * (kept + 2 * m.hidden)
     logits = tokens * m.vocab * _logit_bytes(width) if spec.task == "causal_lm" else 0
     return int(hidden_states + logits)
+
+
+def _seq_length(spec: RunDefinition) -> int:
+    # Costs are counted on CheckedRequest.costed, whose seq_length is always set.
+    assert spec.training.seq_length is not None
+    return spec.training.seq_length
 
 
 def _logit_bytes(width: int) -> int:

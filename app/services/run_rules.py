@@ -41,6 +41,7 @@ from contract.datasets import (
     purpose_of,
 )
 from contract.run_request import RunDefinition, RunRequest
+from contract.seq_length import max_positions_of, seq_length_cap
 from contract.steps import StepPlan, examples_used
 from contract.storage import Storage, StorageError, is_uri
 
@@ -65,9 +66,24 @@ class CheckedRequest:
     plan: StepPlan | None = None
     notes: list[str] = field(default_factory=list)
 
+    # The seq_length the worker will choose where the request leaves it unset, as
+    # app/services/data_plan.py predicts it; None: not known here.
+    seq_length: int | None = None
+
     @property
     def resolved(self) -> RunDefinition:
         return RunDefinition.of_resolved(self.spec)
+
+    @property
+    def costed(self) -> RunDefinition:
+        """The resolved definition at the seq_length its costs are counted at: the
+        request's, the one the worker will choose, or, not known, the most it can be."""
+        spec = self.resolved
+        if spec.training.seq_length is not None:
+            return spec
+        length = self.seq_length or seq_length_cap(self.model_config)
+        training = spec.training.model_copy(update={"seq_length": length})
+        return spec.model_copy(update={"training": training})
 
 
 def check_run_request(
@@ -339,14 +355,13 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
                 )
             )
 
-    max_positions = (
-        config.get("max_position_embeddings") or config.get("n_positions") or config.get("n_ctx")
-    )
-    if isinstance(max_positions, int) and req.training.seq_length > max_positions:
+    max_positions = max_positions_of(config)
+    seq_length = req.training.seq_length
+    if max_positions is not None and seq_length is not None and seq_length > max_positions:
         problems.append(
             field_problem(
                 "training.seq_length",
-                f"seq_length ({req.training.seq_length}) exceeds the model's maximum positions "
+                f"seq_length ({seq_length}) exceeds the model's maximum positions "
                 f"({max_positions})",
             )
         )

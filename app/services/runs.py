@@ -40,12 +40,13 @@ from app.models import ApiKey, Run, new_id
 from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
 from app.security import hash_secret
-from app.services import estimates, lifecycle, queue
+from app.services import data_plan, estimates, lifecycle, queue
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.services.run_rules import CheckedRequest, check_run_request, uploads_gone
 from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
+from contract.steps import StepPlan
 from contract.storage import Storage
 
 MAX_PAGE = 100
@@ -158,6 +159,10 @@ class RequestValidation:
     profile: ValidateRequest | None = None
     spec: dict[str, Any] | None = None
     total_steps: int | None = None
+    # A valid request whose data is still to be counted (`with_data_plan`), outside the
+    # database session: counting may take seconds.
+    checked: CheckedRequest | None = None
+    asked: ValidateRequest | None = None
 
 
 def validate_run_request(
@@ -205,7 +210,39 @@ def validate_run_request(
         return RequestValidation(
             ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
         )
+    if data_plan.needed(checked.spec):
+        pending = ValidationReport(valid=True, errors=[], resolved=None, estimate=None)
+        return RequestValidation(pending, checked=checked, asked=asked)
+    return _costed(checked, asked, plan=None)
+
+
+def with_data_plan(validation: RequestValidation) -> RequestValidation:
+    """A valid request's validation completed with what its data comes to (packed rows, the
+    seq_length the worker will choose): blocking, outside any database session."""
+    if validation.checked is None or validation.asked is None:
+        return validation
+    checked = validation.checked
+    plan = data_plan.data_plan(checked.spec)
+    checked.seq_length = plan.seq_length
+    if plan.examples is not None:
+        try:
+            checked.plan = StepPlan.for_examples(checked.resolved, examples=plan.examples)
+        except ValueError as exc:
+            problem = field_problem("training.batch_size_per_worker", str(exc))
+            return RequestValidation(
+                ValidationReport(valid=False, errors=[problem], resolved=None, estimate=None)
+            )
+    return _costed(checked, validation.asked, plan=plan)
+
+
+def _costed(
+    checked: CheckedRequest, asked: ValidateRequest, *, plan: data_plan.DataPlan | None
+) -> RequestValidation:
     resolved = estimates.resolve(checked)
+    if plan is not None:
+        resolved["data_notes"] = plan.notes
+        if plan.unknown_because is not None:
+            resolved["data_unknown_because"] = plan.unknown_because
     report = ValidationReport(
         valid=True, errors=[], resolved=resolved, estimate=estimates.estimate(checked)
     )

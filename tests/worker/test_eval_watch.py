@@ -3,6 +3,7 @@ Trainer with its EarlyStoppingCallback as the reference."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 
 from contract.run_request import RunSpec
 from worker.eval_watch import EvalWatch
+from worker.metrics import MetricSinks
+from worker.preemption import Preemption
 
 
 def spec(**fields: Any) -> RunSpec:
@@ -100,6 +103,81 @@ class TestBestWithoutStopping:
         watch = EvalWatch(spec(export={"from": "best"}))
 
         assert (watch.metric, watch.mode) == ("eval_loss", "min")
+
+
+class TestCheckpointRanking:
+    """What a checkpoint reports for Ray Train's retention to rank it by: the ranking
+    metric of its own step, NaN between evaluations (the full retention, against Ray's own
+    checkpoint manager and the service's list, is tests/app/test_checkpoint_retention.py)."""
+
+    def test_a_preemption_checkpoint_between_evaluations_ranks_lowest(self) -> None:
+        watch = EvalWatch(spec(export={"from": "best"}))
+        watch.observe({"eval_loss": 0.5}, step=10)
+        # The preemption's step is logged, so the latest metrics are that step's alone.
+        marker = Preemption(attempt=1, client=None, group=None).marker()
+
+        reported = watch.ranked({"loss": 1.2, **marker}, step=13)
+
+        # Absent, Ray would score it -inf x (-1) for min: above the best at step 10.
+        assert math.isnan(reported["eval_loss"])
+        assert reported["loss"] == 1.2
+        assert reported["preempted"] == 1 and reported["preempted_attempt"] == 1
+
+    def test_a_ranked_checkpoint_sorts_below_the_best_as_ray_scores_it(self) -> None:
+        from ray.train import CheckpointConfig
+        from ray.train._internal.checkpoint_manager import _CheckpointManager
+        from ray.train._internal.session import _TrainingResult
+
+        watch = EvalWatch(spec(export={"from": "best"}))
+        watch.observe({"eval_loss": 0.5}, step=10)
+        ray = _CheckpointManager(
+            CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute="eval_loss", checkpoint_score_order="min"
+            )
+        )
+
+        def score(metrics: dict[str, Any]) -> Any:
+            return ray._get_checkpoint_score(_TrainingResult(checkpoint=None, metrics=metrics))
+
+        best = score(watch.ranked({"loss": 1.0}, step=10))
+        assert score(watch.ranked({"loss": 1.2}, step=13)) < best
+        # The same report without the metric, as workers sent it before: Ray's very best.
+        assert score({"loss": 1.2}) > best
+
+    def test_an_earlier_evaluations_value_is_not_carried_over(self) -> None:
+        run = spec(export={"from": "best"})
+        watch, sinks = EvalWatch(run), MetricSinks(run, rank=1)
+        watch.observe({"eval_loss": 0.5}, step=10)
+        sinks.log_eval({"eval_loss": 0.5}, step=10)
+        # No step logged since: the latest metrics still hold step 10's evaluation, which a
+        # periodic checkpoint at step 12 must not report as its own (a tie with the best,
+        # which Ray breaks for the later one).
+        assert sinks.latest["eval_loss"] == 0.5
+
+        assert math.isnan(watch.ranked(sinks.latest, step=12)["eval_loss"])
+        assert watch.ranked(sinks.latest, step=10)["eval_loss"] == 0.5
+
+    def test_a_resumed_watch_has_no_evaluation_of_its_own_yet(self) -> None:
+        first = EvalWatch(spec(export={"from": "best"}))
+        first.observe({"eval_loss": 0.5}, step=10)
+        resumed = EvalWatch(spec(export={"from": "best"}))
+        resumed.load_state_dict(first.state_dict())
+
+        assert math.isnan(resumed.ranked({"eval_loss": 0.5}, step=11)["eval_loss"])
+
+    def test_the_metric_of_mode_max_too(self) -> None:
+        watch = EvalWatch(
+            spec(checkpointing={"best_metric": "eval_perplexity", "best_mode": "max"})
+        )
+        watch.observe({"eval_perplexity": 7.0}, step=4)
+
+        assert watch.ranked({}, step=4) == {"eval_perplexity": 7.0}
+        assert math.isnan(watch.ranked({}, step=5)["eval_perplexity"])
+
+    def test_without_a_ranking_metric_the_metrics_are_left_alone(self) -> None:
+        watch = EvalWatch(spec())
+
+        assert watch.ranked({"loss": 1.0}, step=3) == {"loss": 1.0}
 
 
 @pytest.mark.parametrize(("patience", "threshold"), [(2, 0.0), (2, 0.02), (3, 0.005)])

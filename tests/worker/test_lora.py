@@ -266,7 +266,9 @@ def test_lora_run_matches_peft_exports_and_resumes(
     assert (tmp_path / "storage" / "run_lora" / "export_check.pt").is_file()
 
 
-def test_an_adapter_names_the_model_as_the_run_gave_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_an_adapter_names_the_model_as_the_run_gave_it(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     # A model in object storage trains from the node's temporary copy; the adapter must name
     # the URI the run was given, which is what its users can load the base from.
     from peft import get_peft_model
