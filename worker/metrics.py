@@ -168,6 +168,14 @@ class MetricSinks:
         if self.client is not None:
             self.client.event(type, message, attempts=1)
 
+    def record(self, type: str, message: str) -> None:
+        """An event that is part of the run's history, which users read to see what happened
+        (a restart from a checkpoint): retried with backoff as a status is. One try was
+        lost whenever the service was slow for a moment, and a restart then went unseen.
+        At most once per attempt, so the wait is rare and bounded."""
+        if self.client is not None and not self.client.event(type, message):
+            log.error("the %s event did not reach the service: %s", type, message)
+
     def flush(self) -> None:
         """Before a checkpoint: every step up to it is delivered, so a restart from that
         checkpoint (which re-trains and re-logs what came after) loses no step's metrics."""

@@ -24,6 +24,7 @@ from worker.metrics import MetricSinks
 from worker.nodes import check_worker_nodes
 from worker.preemption import Preemption
 from worker.remote_sources import with_local_sources
+from worker.step_gate import hold_if_asked
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -192,7 +193,8 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
     restored = restore_checkpoint(engine, spec)
     step = restored.step
     if step:
-        sinks.event(
+        # Every rank restored; rank 0 says from where, retried: it is the run's record.
+        sinks.record(
             "resumed", f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
         )
     log.info("training steps %d..%d", step, plan.total_steps)
@@ -288,6 +290,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
             checkpoint(step, marker=preemption.marker() if preempted else None)
         if preempted:
             break
+        hold_if_asked(spec.run_id, step)  # a test's hold; off unless configured
 
     if preempted:
         # The attempt ends here, without a final evaluation or an export, and without

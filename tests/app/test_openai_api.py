@@ -220,6 +220,21 @@ class TestJobs:
 
         assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
 
+    def test_a_model_with_fewer_positions_than_any_fixed_default_is_taken(
+        self, client: openai.OpenAI, live: tuple[str, str], tiny_model_dir: Path, chat_file: Any
+    ) -> None:
+        # OpenAI clients have no seq_length to give: the tiny GPT-2 has 128 positions, fewer
+        # than the 512 a fixed default asked for. The worker chooses it from the data.
+        job = client.fine_tuning.jobs.create(
+            model=str(tiny_model_dir),
+            training_file=chat_file.id,
+            extra_body={"tuneyard": {"dataset": {"chat_template": TEMPLATE}}},
+        )
+        assert job.status == "queued"
+        url, key = live
+        run = httpx.get(f"{url}/v1/runs/{job.id}", headers={"Authorization": f"Bearer {key}"})
+        assert run.json()["spec"]["training"]["seq_length"] is None
+
     def test_the_extension_sets_priority_and_preemptible(
         self, client: openai.OpenAI, live: tuple[str, str], tiny_model_dir: Path, chat_file: Any
     ) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from app.ports import free_port
+from worker.step_gate import STEP_GATE_ENV
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -102,6 +103,22 @@ class Service:
         run: dict[str, Any] = response.json()
         return run
 
+    def hold_at(self, run_id: str, step: int) -> Path:
+        """Ask the run's workers to hold after `step` (worker/step_gate.py); the file that
+        appears when they do."""
+        folder = Path(self.env[STEP_GATE_ENV])
+        (folder / f"{run_id}.hold").write_text(str(step))
+        return folder / f"{run_id}.held"
+
+    def wait_held(self, held: Path, run_id: str, timeout_s: float = 600) -> None:
+        """Until the run holds (`hold_at`); a run that ends first fails the test."""
+        deadline = time.monotonic() + timeout_s
+        while not held.exists():
+            status = self.http.get(f"/v1/runs/{run_id}").json()["status"]
+            assert status not in TERMINAL, f"run {run_id} ended ({status}) before it held"
+            assert time.monotonic() < deadline, f"run {run_id} did not hold in {timeout_s}s"
+            time.sleep(0.2)
+
     def wait_terminal(self, run_id: str, timeout_s: float = 600) -> dict[str, Any]:
         return self.wait_for(run_id, TERMINAL, timeout_s)
 
@@ -115,6 +132,12 @@ class Service:
                     return run
             time.sleep(0.5)
         raise AssertionError(f"run {run_id} not {statuses} after {timeout_s}s: {run}")
+
+
+def step_gate_folder(home: Path) -> Path:
+    folder = home / "step-gate"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def make_service(
@@ -138,6 +161,9 @@ def make_service(
         "TUNEYARD_JOB_ENV": json.dumps({"WANDB_DIR": str(home / "wandb")}),
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
+        # Where a test asks a run to hold at a step (worker/step_gate.py); Ray's workers
+        # inherit it from the local head this service starts.
+        STEP_GATE_ENV: str(step_gate_folder(home)),
     }
     env.pop("TUNEYARD_DATABASE_URL", None)
     if database_url:

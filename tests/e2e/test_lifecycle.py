@@ -62,10 +62,8 @@ def test_cancel_mid_run_then_resume_continues_the_step_count(
 ) -> None:
     data = write_jsonl_dataset(service.data_dir / "news-life.jsonl", rows=2000, seed=7)
     run_id = service.submit(_long_request(tiny_model_dir, data, steps=100, every=20))["id"]
-    deadline = time.monotonic() + 300
-    while not checkpoints(service, run_id, "deepspeed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    # Held after step 30, by state: a checkpoint (step 20) exists and the run is mid-way.
+    service.wait_held(service.hold_at(run_id, 30), run_id)
 
     cancelled = service.http.post(f"/v1/runs/{run_id}/cancel")
     assert cancelled.status_code == 200
@@ -200,10 +198,8 @@ def test_restart_the_ray_head_mid_run(own_service: Service, tiny_model_dir: Path
     svc = own_service
     data = write_jsonl_dataset(svc.data_dir / "news-head.jsonl", rows=2000, seed=10)
     run_id = svc.submit(_long_request(tiny_model_dir, data, steps=80, every=20))["id"]
-    deadline = time.monotonic() + 300
-    while not checkpoints(svc, run_id, "deepspeed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    # Held after step 30, by state: the checkpoint at step 20 exists, the run is mid-way.
+    svc.wait_held(svc.hold_at(run_id, 30), run_id)
 
     head = json.loads((svc.home / "ray" / "head.json").read_text())
     os.killpg(head["pid"], signal.SIGKILL)  # the head and everything it ran

@@ -468,3 +468,35 @@ class TestNonFiniteValuesAndLostPoints:
                 sender.log({"loss": object()}, step=1, progress={"step": 1})  # type: ignore[dict-item]
         finally:
             sender.close(timeout_s=0)
+
+
+def test_a_resume_is_recorded_through_a_slow_moment(
+    service: RecordingService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The `resumed` event is how users (and the fault-tolerance test) see a restart from a
+    # checkpoint: one try lost it whenever the service answered 503 for a moment.
+    from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
+    from contract.run_request import RunSpec
+    from worker.metrics import MetricSinks
+
+    monkeypatch.setenv(CALLBACK_URL_ENV, service.url + "/")
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    spec = RunSpec.model_validate(
+        {
+            "run_id": RUN_ID,
+            "attempt": 2,
+            "storage_path": "/unused",
+            "model": "gpt2",
+            "dataset": {"source": "ag_news"},
+        }
+    )
+    service.statuses.extend([503, 503])
+    service.serve()
+    sinks = MetricSinks(spec, rank=0)
+    try:
+        sinks.record("resumed", "attempt 2: resumed from the checkpoint at step 20")
+    finally:
+        sinks.close(failed=False)
+
+    events = [r.body for r in service.requests() if r.path.endswith("/events")]
+    assert [e["type"] for e in events] == ["resumed"] * 3
