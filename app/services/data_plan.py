@@ -32,6 +32,9 @@ log = logging.getLogger("tuneyard.data_plan")
 # request would take minutes.
 MAX_BYTES = 256 * 1024 * 1024
 TIMEOUT_SECONDS = 300
+# Each count is a process that imports torch and tokenizes: a burst of validates waits for
+# these slots rather than starting a process each (memory, cores).
+_SLOTS = threading.BoundedSemaphore(2)
 _CACHE_SIZE = 256
 # The files AutoTokenizer reads from a model folder (transformers 5).
 _TOKENIZER_FILES = (
@@ -126,15 +129,16 @@ def _run_worker_plan(spec: dict[str, Any]) -> DataPlan:
         "TOKENIZERS_PARALLELISM": "false",
     }
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "worker.data_plan"],
-            input=json.dumps(worker_spec),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_SECONDS,
-            env=env,
-            check=False,
-        )
+        with _SLOTS:
+            done = subprocess.run(
+                [sys.executable, "-m", "worker.data_plan"],
+                input=json.dumps(worker_spec),
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_SECONDS,
+                env=env,
+                check=False,
+            )
     except subprocess.TimeoutExpired:
         return DataPlan(unknown_because=f"counting took over {TIMEOUT_SECONDS} s")
     lines = done.stdout.strip().splitlines()

@@ -167,8 +167,9 @@ def chat_rows(tiny_model_dir: Path) -> list[dict[str, list[int]]]:
 
 
 def _one_block(rows: list[dict[str, list[int]]], eos: int) -> dict[str, torch.Tensor]:
-    """The two conversations packed into exactly one block, collated."""
-    seq_length = sum(len(r["input_ids"]) + 1 for r in rows)  # each gets an eos
+    """The two conversations packed into exactly one block, collated. Rows with their own
+    labels are joined as they are: no eos between them (worker/data.py)."""
+    seq_length = sum(len(r["input_ids"]) for r in rows)
     packed = pack_sequences(
         in_memory_dataset({k: [r[k] for r in rows] for k in ("input_ids", "labels")}),
         seq_length=seq_length,
@@ -180,7 +181,7 @@ def _one_block(rows: list[dict[str, list[int]]], eos: int) -> dict[str, torch.Te
 
 def _alone(row: dict[str, list[int]], eos: int) -> dict[str, torch.Tensor]:
     return CausalLMCollator(pad_token_id=eos)(
-        [{"input_ids": [*row["input_ids"], eos], "labels": [*row["labels"], eos]}]
+        [{"input_ids": row["input_ids"], "labels": row["labels"]}]
     )
 
 
@@ -204,7 +205,7 @@ def test_a_packed_conversation_sees_only_itself(
     ).eval()
     eos = model.config.eos_token_id
     block = _one_block(chat_rows, eos)
-    first = len(chat_rows[0]["input_ids"]) + 1
+    first = len(chat_rows[0]["input_ids"])
     alone = [_alone(row, eos) for row in chat_rows]
 
     with torch.no_grad():
@@ -252,7 +253,7 @@ def test_blocks_in_one_row_give_the_logits_and_loss_of_the_rows(
     eos = model.config.eos_token_id
     first, second = chat_rows
     # Two blocks of two conversations each, the second cut across the block boundary.
-    seq_length = len(first["input_ids"]) + len(second["input_ids"]) + 2
+    seq_length = len(first["input_ids"]) + len(second["input_ids"])
     packed = pack_sequences(
         in_memory_dataset(
             {k: [r[k] for r in (first, second, second, first)] for k in ("input_ids", "labels")}
