@@ -61,6 +61,7 @@ from app.schemas.run_view import (
 )
 from app.schemas.security_schemes import api_key
 from app.services import (
+    data_plan,
     lifecycle,
     model_download,
     profiles,
@@ -221,9 +222,11 @@ async def validate_run(
         )
 
     validation = await run_in_read_session(request, check, blocking=True)
-    # Counting packed data, or choosing an unset seq_length, runs the worker's own data
-    # preparation for seconds: after the session, on a thread of its own.
-    validation = await anyio.to_thread.run_sync(runs.with_data_plan, validation)
+    if validation.checked is not None:
+        # Counting packed data, or choosing an unset seq_length, runs the worker's own data
+        # preparation for seconds: after the session, waiting for a slot on the loop.
+        plan = await data_plan.plan_for(principal.id, validation.checked.spec)
+        validation = await anyio.to_thread.run_sync(runs.with_data_plan, validation, plan)
     if validation.profile is None or validation.spec is None:
         return validation.report
     measured = await profiles.profile_request(

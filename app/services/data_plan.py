@@ -4,25 +4,37 @@ leaves it unset.
 
 Only the worker's own preparation can say this exactly (tokenizer, chat template, the
 filters, packing, max_samples), so the service runs it: `python -m worker.data_plan` in a
-process of its own, which keeps torch out of the service. Answers are cached by the
-content of the data file and of the tokenizer, and by the fields that shape the data, so
-a second validate of the same request is instant. Hub datasets, object storage and very
-large files are not counted here: the plan stays unknown, with the reason.
+process of its own, which keeps torch out of the service, under a memory and CPU bound
+(the request's chat template is rendered there), with a dataset cache of its own that is
+removed after. Answers are cached per API key by the content of the data file and of the
+model folder's non-weight files, and by the fields that shape the data, so a second
+validate of the same request is instant. Hub datasets, object storage and very large files
+are not counted here: the plan stays unknown, with the reason.
+
+Counting waits on the event loop, not on a thread: for one of COUNT_SLOTS slots, and behind
+any other count of the same API key, so neither a burst of validates nor one key holds the
+service's threads or every slot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import anyio
+import anyio.to_thread
 
 from contract.datasets import is_local_source
 
@@ -32,21 +44,14 @@ log = logging.getLogger("tuneyard.data_plan")
 # request would take minutes.
 MAX_BYTES = 256 * 1024 * 1024
 TIMEOUT_SECONDS = 300
-# Each count is a process that imports torch and tokenizes: a burst of validates waits for
-# these slots rather than starting a process each (memory, cores).
-_SLOTS = threading.BoundedSemaphore(2)
+# The count's own bounds: about 1.4 GB of data segment is torch and the worker's imports;
+# the rest is for the data (a 256 MiB file parses into a few times its size at most).
+MAX_DATA_BYTES = 3 * 1024**3
+COUNT_SLOTS = 2
 _CACHE_SIZE = 256
-# The files AutoTokenizer reads from a model folder (transformers 5).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "config.json",
-)
+# Weights are what a model folder holds that the data preparation never reads.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+_MAX_MODEL_FILES = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,10 @@ class DataPlan:
     examples: int | None = None  # training examples, or packed rows, after preparation
     seq_length: int | None = None  # the request's, or the one the worker will choose
     notes: list[str] = field(default_factory=list)
+    # Why the data was not counted here (the worker counts it on the cluster).
     unknown_because: str | None = None
+    # Why the worker's preparation refuses this data: the request is not valid.
+    problem: str | None = None
 
 
 def needed(spec: dict[str, Any]) -> bool:
@@ -64,9 +72,48 @@ def needed(spec: dict[str, Any]) -> bool:
     return bool(training.get("packing")) or training.get("seq_length") is None
 
 
-def data_plan(spec: dict[str, Any]) -> DataPlan:
+async def plan_for(owner_id: str, spec: dict[str, Any]) -> DataPlan:
     """The plan for a checked request's resolved spec (local paths resolved, an upload's id
-    replaced by its path)."""
+    replaced by its path), counted for `owner_id`."""
+    gates = _gates()
+    lock = gates.owners.setdefault(owner_id, _OwnerLock())
+    lock.users += 1
+    try:
+        async with lock.lock:
+            return await anyio.to_thread.run_sync(data_plan, owner_id, spec, limiter=gates.slots)
+    finally:
+        lock.users -= 1
+        if not lock.users:
+            gates.owners.pop(owner_id, None)
+
+
+@dataclass
+class _OwnerLock:
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    users: int = 0
+
+
+@dataclass
+class _Gates:
+    slots: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(COUNT_SLOTS))
+    owners: dict[str, _OwnerLock] = field(default_factory=dict)
+
+
+# anyio's primitives belong to one event loop: one set per loop (a test may run several).
+_loop_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gates] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gates() -> _Gates:
+    loop = asyncio.get_running_loop()
+    if loop not in _loop_gates:
+        _loop_gates[loop] = _Gates()
+    return _loop_gates[loop]
+
+
+def data_plan(owner_id: str, spec: dict[str, Any]) -> DataPlan:
+    """Blocking: the cached plan, or a count by the worker's own preparation."""
     source, model = spec["dataset"]["source"], spec["model"]
     if not is_local_source(source):
         return DataPlan(unknown_because="the dataset is read on the cluster (hub or storage)")
@@ -79,7 +126,7 @@ def data_plan(spec: dict[str, Any]) -> DataPlan:
         return DataPlan(
             unknown_because=f"the dataset is over {MAX_BYTES // 2**20} MiB, counted on the cluster"
         )
-    key = _key(spec, data, Path(model))
+    key = _key(owner_id, spec, data, Path(model))
     with _lock:
         if key in _cache:
             _cache.move_to_end(key)
@@ -97,8 +144,8 @@ _cache: OrderedDict[str, DataPlan] = OrderedDict()
 _lock = threading.Lock()
 
 
-def _key(spec: dict[str, Any], data: Path, model: Path) -> str:
-    digest = hashlib.sha256()
+def _key(owner_id: str, spec: dict[str, Any], data: Path, model: Path) -> str:
+    digest = hashlib.sha256(owner_id.encode() + b"\0")
     # Everything that shapes the examples but the file's name: the same bytes under another
     # path count the same.
     shaping = {k: v for k, v in spec["dataset"].items() if k not in ("source", "eval_source")}
@@ -109,9 +156,15 @@ def _key(spec: dict[str, Any], data: Path, model: Path) -> str:
         ).encode()
     )
     digest.update(_file_digest(data))
-    for name in _TOKENIZER_FILES:
-        if (model / name).is_file():
-            digest.update(name.encode() + _file_digest(model / name))
+    # Every file of the model folder but its weights: the tokenizer, its templates (also
+    # in subfolders, as transformers 5 keeps named ones) and the config.
+    files = sorted(
+        p
+        for p in model.rglob("*")
+        if p.is_file() and not p.is_symlink() and not p.name.endswith(_WEIGHT_SUFFIXES)
+    )
+    for path in files[:_MAX_MODEL_FILES]:
+        digest.update(str(path.relative_to(model)).encode() + b"\0" + _file_digest(path))
     return digest.hexdigest()
 
 
@@ -122,16 +175,25 @@ def _file_digest(path: Path) -> bytes:
 
 def _run_worker_plan(spec: dict[str, Any]) -> DataPlan:
     worker_spec = {**spec, "run_id": "run_validate", "attempt": 1, "storage_path": "/unused"}
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    try:
-        with _SLOTS:
+    command = [
+        sys.executable,
+        "-m",
+        "worker.data_plan",
+        f"--max-data-bytes={MAX_DATA_BYTES}",
+        f"--max-cpu-seconds={TIMEOUT_SECONDS}",
+    ]
+    with tempfile.TemporaryDirectory(prefix="tuneyard-data-plan-") as cache:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            # The count's Arrow files go with it: a validate leaves nothing on the disk.
+            "HF_DATASETS_CACHE": cache,
+            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        try:
             done = subprocess.run(
-                [sys.executable, "-m", "worker.data_plan"],
+                command,
                 input=json.dumps(worker_spec),
                 capture_output=True,
                 text=True,
@@ -139,16 +201,18 @@ def _run_worker_plan(spec: dict[str, Any]) -> DataPlan:
                 env=env,
                 check=False,
             )
-    except subprocess.TimeoutExpired:
-        return DataPlan(unknown_because=f"counting took over {TIMEOUT_SECONDS} s")
+        except subprocess.TimeoutExpired:
+            return DataPlan(unknown_because=f"counting took over {TIMEOUT_SECONDS} s")
     lines = done.stdout.strip().splitlines()
     try:
         answer = json.loads(lines[-1])
     except (IndexError, ValueError):
         log.warning("worker.data_plan gave no answer (exit %s): %s", done.returncode, done.stderr)
         return DataPlan(unknown_because="the data could not be counted here")
+    if "problem" in answer:
+        return DataPlan(problem=str(answer["problem"]))
     if "error" in answer:
-        return DataPlan(unknown_because=f"preparing the data failed: {answer['error']}")
+        return DataPlan(unknown_because=f"the data could not be counted here: {answer['error']}")
     return DataPlan(
         examples=int(answer["examples"]),
         seq_length=int(answer["seq_length"]),

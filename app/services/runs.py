@@ -216,13 +216,19 @@ def validate_run_request(
     return _costed(checked, asked, plan=None)
 
 
-def with_data_plan(validation: RequestValidation) -> RequestValidation:
+def with_data_plan(validation: RequestValidation, plan: data_plan.DataPlan) -> RequestValidation:
     """A valid request's validation completed with what its data comes to (packed rows, the
-    seq_length the worker will choose): blocking, outside any database session."""
+    seq_length the worker will choose; app/services/data_plan.py), and its costs."""
     if validation.checked is None or validation.asked is None:
         return validation
     checked = validation.checked
-    plan = data_plan.data_plan(checked.spec)
+    if plan.problem is not None:
+        problem = field_problem(
+            "dataset.source", f"preparing the data as the worker will fails: {plan.problem}"
+        )
+        return RequestValidation(
+            ValidationReport(valid=False, errors=[problem], resolved=None, estimate=None)
+        )
     checked.seq_length = plan.seq_length
     if plan.examples is not None:
         try:
