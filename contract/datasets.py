@@ -48,7 +48,9 @@ def is_uploaded(source: str) -> bool:
 
 def local_split_problem(setting: str, split: str) -> str | None:
     """A local or uploaded dataset is one split, `train`; parts of it are slices."""
-    if split.startswith("train"):
+    # `datasets` reads a local file as the one split "train"; a name that only starts so
+    # ("train_sft", a hub dataset's) fails on the cluster: "Unknown split".
+    if split == "train" or (split.startswith("train[") and split.endswith("]")):
         return None
     return (
         f"{setting} {split!r}: a local or uploaded dataset is the single split 'train'; "

@@ -70,6 +70,13 @@ class TestSplits:
     def test_train_and_its_slices_are_fine(self, split: str) -> None:
         assert local_split_problem("split", split) is None
 
+    @pytest.mark.parametrize("split", ["train_sft", "training", "trainX", "train[:10"])
+    def test_names_that_only_start_like_train_are_refused(self, split: str) -> None:
+        # A hub dataset's split name copied onto a local file: datasets refuses it on the
+        # cluster ("Unknown split"), after placement and loading.
+        problem = local_split_problem("split", split)
+        assert problem is not None and problem.startswith(f"split {split!r}")
+
     def test_other_splits_name_the_setting_and_the_way_out(self) -> None:
         problem = local_split_problem("eval_split", "validation")
         assert problem is not None

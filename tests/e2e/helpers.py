@@ -102,3 +102,93 @@ def trainer_losses(
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == steps
     return losses
+
+
+# -- shared by the modules that run what users write (documented examples, defaults) --------
+
+# ChatML as Qwen's instruct models write it: a model family users fine-tune with chat data.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_chat_llama(root: Path, *, max_positions: int = 2048) -> Path:
+    """A tiny Llama whose tokenizer has a chat template of its own, as an instruct model's
+    has, and `max_positions` positions; built once under `root` (the session's tiny-model
+    folder), then reused by every module that asks for the same one."""
+    from transformers import AutoTokenizer
+
+    from app.tiny_assets import build_tiny_llama
+
+    folder = root / f"llama-chat-{max_positions}"
+    if not (folder / "config.json").exists():
+        build_tiny_llama(folder, max_positions=max_positions)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def chat_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """OpenAI-format conversations of news-like text: a system turn now and then, one or
+    two user/assistant exchanges."""
+    from app.tiny_assets import news_lines
+
+    lines = news_lines(4 * n, seed=seed)
+    records = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "Answer with the news."}] if i % 3 == 0 else []
+        for turn in range(1 + i % 2):
+            messages.append({"role": "user", "content": lines[4 * i + 2 * turn].split(" in ")[0]})
+            messages.append({"role": "assistant", "content": lines[4 * i + 2 * turn + 1]})
+        records.append({"messages": messages})
+    return records
+
+
+def preference_records(
+    n: int, *, prompt_field: str = "prompt", chat_prompts: bool = True, seed: int = 0
+) -> list[dict[str, Any]]:
+    """DPO pairs: a prompt (chat messages, or plain text), a chosen and a rejected answer."""
+    from app.tiny_assets import news_lines
+
+    lines = news_lines(3 * n, seed=seed)
+    records = []
+    for i in range(n):
+        prompt = lines[3 * i].split(" in ")[0]
+        records.append(
+            {
+                prompt_field: [{"role": "user", "content": prompt}] if chat_prompts else prompt,
+                "chosen": lines[3 * i + 1],
+                "rejected": lines[3 * i + 2],
+            }
+        )
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run_events(service: Service, run_id: str) -> list[dict[str, Any]]:
+    page = service.http.get(f"/v1/runs/{run_id}/events", params={"limit": 1000}).json()
+    events: list[dict[str, Any]] = page["data"]
+    return events
+
+
+def assert_adapter_loads(adapter: Path, base: Path | str, *, auto: Any) -> Any:
+    """A LoRA export is an adapter folder that peft loads onto the base model, as users
+    load it; returns the adapted model."""
+    import json
+
+    from peft import PeftModel
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA", config
+    assert config["base_model_name_or_path"] == str(base), config
+    model = PeftModel.from_pretrained(auto.from_pretrained(base), adapter).eval()
+    assert any(".lora_A." in name for name, _ in model.named_parameters())
+    return model
