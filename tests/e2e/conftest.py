@@ -110,12 +110,26 @@ class Service:
         (folder / f"{run_id}.hold").write_text(str(step))
         return folder / f"{run_id}.held"
 
-    def wait_held(self, held: Path, run_id: str, timeout_s: float = 600) -> None:
-        """Until the run holds (`hold_at`); a run that ends first fails the test."""
+    def wait_held(
+        self, held: Path, run_id: str, *, checkpoint: int | None = None, timeout_s: float = 600
+    ) -> None:
+        """Until the run holds (`hold_at`) and, with `checkpoint`, the service has recorded
+        its checkpoint at that step; a run that ends first fails the test.
+
+        The record is what says Ray Train knows the checkpoint: its controller registers a
+        report with its checkpoint manager before it calls the callback that posts the
+        record (ray/train/v2/_internal/execution/controller/controller.py, the report
+        callbacks' order). A worker killed before that restarts from nothing."""
         deadline = time.monotonic() + timeout_s
-        while not held.exists():
-            status = self.http.get(f"/v1/runs/{run_id}").json()["status"]
-            assert status not in TERMINAL, f"run {run_id} ended ({status}) before it held"
+        while True:
+            run = self.http.get(f"/v1/runs/{run_id}").json()
+            assert run["status"] not in TERMINAL, f"run {run_id} ended before it held: {run}"
+            recorded = checkpoint is None or any(
+                c["kind"] == "deepspeed" and c["step"] == checkpoint
+                for c in self.http.get(f"/v1/runs/{run_id}/checkpoints").json()["data"]
+            )
+            if held.exists() and recorded:
+                return
             assert time.monotonic() < deadline, f"run {run_id} did not hold in {timeout_s}s"
             time.sleep(0.2)
 

@@ -1,9 +1,11 @@
 """A training worker killed mid-run: Ray Train restarts the group from the latest checkpoint.
 
 Decided by state, not by the clock: the run holds after a step the test chooses (after a
-checkpoint, before its last step; worker/step_gate.py), and only then is one of its own
-workers killed. A kill timed by a wait could land after the last step on a fast machine,
-or on another run's worker on a shared one."""
+checkpoint, before its last step; worker/step_gate.py), the service has recorded that
+checkpoint (so Ray Train has registered it), and only then is one of its own workers
+killed. A kill timed by a wait could land after the last step on a fast machine, before
+Ray knew the checkpoint on a busy one (a restart from nothing), or on another run's worker
+on a shared one."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def test_a_killed_worker_resumes_from_the_latest_checkpoint(
         "fault_tolerance": {"max_failures": 1},
     }
     run_id = service.submit(body)["id"]
-    service.wait_held(service.hold_at(run_id, HOLD_AT), run_id)
+    service.wait_held(service.hold_at(run_id, HOLD_AT), run_id, checkpoint=EVERY)
     workers = _workers_of(run_id)
     assert len(workers) == 2, workers
     workers[0].send_signal(signal.SIGKILL)

@@ -63,7 +63,7 @@ def test_cancel_mid_run_then_resume_continues_the_step_count(
     data = write_jsonl_dataset(service.data_dir / "news-life.jsonl", rows=2000, seed=7)
     run_id = service.submit(_long_request(tiny_model_dir, data, steps=100, every=20))["id"]
     # Held after step 30, by state: a checkpoint (step 20) exists and the run is mid-way.
-    service.wait_held(service.hold_at(run_id, 30), run_id)
+    service.wait_held(service.hold_at(run_id, 30), run_id, checkpoint=20)
 
     cancelled = service.http.post(f"/v1/runs/{run_id}/cancel")
     assert cancelled.status_code == 200
@@ -199,7 +199,7 @@ def test_restart_the_ray_head_mid_run(own_service: Service, tiny_model_dir: Path
     data = write_jsonl_dataset(svc.data_dir / "news-head.jsonl", rows=2000, seed=10)
     run_id = svc.submit(_long_request(tiny_model_dir, data, steps=80, every=20))["id"]
     # Held after step 30, by state: the checkpoint at step 20 exists, the run is mid-way.
-    svc.wait_held(svc.hold_at(run_id, 30), run_id)
+    svc.wait_held(svc.hold_at(run_id, 30), run_id, checkpoint=20)
 
     head = json.loads((svc.home / "ray" / "head.json").read_text())
     os.killpg(head["pid"], signal.SIGKILL)  # the head and everything it ran
