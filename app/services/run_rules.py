@@ -74,6 +74,14 @@ class CheckedRequest:
     def resolved(self) -> RunDefinition:
         return RunDefinition.of_resolved(self.spec)
 
+    def plan_examples(self, definition: RunDefinition, examples: int) -> None:
+        """The plan for `examples` training examples per epoch, or the problem of data
+        that gives no whole step."""
+        try:
+            self.plan = StepPlan.for_examples(definition, examples=examples)
+        except ValueError as exc:
+            self.problems.append(field_problem("training.batch_size_per_worker", str(exc)))
+
     @property
     def costed(self) -> RunDefinition:
         """The resolved definition at the seq_length its costs are counted at: the
@@ -99,22 +107,18 @@ def check_run_request(
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
     checked.problems.extend(webhook_problems(session, request))
     checked.problems.extend(tracking_problems(session, request))
-    if not checked.problems:
-        try:
-            checked.plan = _step_plan(request, checked.dataset_records)
-        except ValueError as exc:
-            checked.problems.append(field_problem("training.batch_size_per_worker", str(exc)))
+    examples = _examples_of_records(request, checked.dataset_records)
+    if not checked.problems and examples is not None:
+        checked.plan_examples(request, examples)
     return checked
 
 
-def _step_plan(request: RunRequest, records: int | None) -> StepPlan | None:
+def _examples_of_records(request: RunRequest, records: int | None) -> int | None:
     """The examples of an uploaded file (each record is one) counted as the worker counts
-    them, unless packing makes the count depend on the token count. Raises ValueError when
-    the data gives no whole step."""
+    them, unless packing makes the count depend on the token count."""
     if records is None or request.training.packing:
         return None
-    examples = examples_used(records, request.dataset.max_samples)
-    return StepPlan.for_examples(request, examples=examples)
+    return examples_used(records, request.dataset.max_samples)
 
 
 def cross_field_problems(req: RunRequest) -> list[Problem]:

@@ -43,10 +43,9 @@ from app.security import hash_secret
 from app.services import data_plan, estimates, lifecycle, queue
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
-from app.services.run_rules import CheckedRequest, check_run_request, uploads_gone
+from app.services.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
 from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
-from contract.steps import StepPlan
 from contract.storage import Storage
 
 MAX_PAGE = 100
@@ -179,14 +178,7 @@ def validate_run_request(
     try:
         asked = ValidateRequest.model_validate(body)
     except PydanticValidationError as exc:
-        return RequestValidation(
-            ValidationReport(
-                valid=False,
-                errors=problems_from_pydantic(exc.errors()),
-                resolved=None,
-                estimate=None,
-            )
-        )
+        return _refused(problems_from_pydantic(exc.errors()))
     request = asked.run_request()
     checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
     if cluster is not None:
@@ -207,9 +199,7 @@ def validate_run_request(
         except ValidationFailed as exc:
             checked.problems.extend(exc.detail)
     if checked.problems:
-        return RequestValidation(
-            ValidationReport(valid=False, errors=checked.problems, resolved=None, estimate=None)
-        )
+        return _refused(checked.problems)
     if data_plan.needed(checked.spec):
         pending = ValidationReport(valid=True, errors=[], resolved=None, estimate=None)
         return RequestValidation(pending, checked=checked, asked=asked)
@@ -223,22 +213,23 @@ def with_data_plan(validation: RequestValidation, plan: data_plan.DataPlan) -> R
         return validation
     checked = validation.checked
     if plan.problem is not None:
-        problem = field_problem(
-            "dataset.source", f"preparing the data as the worker will fails: {plan.problem}"
-        )
-        return RequestValidation(
-            ValidationReport(valid=False, errors=[problem], resolved=None, estimate=None)
-        )
-    checked.seq_length = plan.seq_length
-    if plan.examples is not None:
-        try:
-            checked.plan = StepPlan.for_examples(checked.resolved, examples=plan.examples)
-        except ValueError as exc:
-            problem = field_problem("training.batch_size_per_worker", str(exc))
-            return RequestValidation(
-                ValidationReport(valid=False, errors=[problem], resolved=None, estimate=None)
+        checked.problems.append(
+            field_problem(
+                "dataset.source", f"preparing the data as the worker will fails: {plan.problem}"
             )
+        )
+    elif plan.examples is not None:
+        checked.plan_examples(checked.resolved, plan.examples)
+    if checked.problems:
+        return _refused(checked.problems)
+    checked.seq_length = plan.seq_length
     return _costed(checked, validation.asked, plan=plan)
+
+
+def _refused(problems: list[Problem]) -> RequestValidation:
+    return RequestValidation(
+        ValidationReport(valid=False, errors=problems, resolved=None, estimate=None)
+    )
 
 
 def _costed(
