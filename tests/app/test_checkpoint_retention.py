@@ -9,9 +9,10 @@ class Ray Train's controller runs, on the run's real storage folder, without a c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,27 +178,28 @@ def run_checkpoints(
     )
 
 
+@pytest.fixture
+def report(
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[..., Retention]:
+    """`run_checkpoints` on this test's service: takes keep_last, saved and ranked."""
+    return functools.partial(
+        run_checkpoints, client, auth, tmp_path, settings, session_factory, monkeypatch
+    )
+
+
 @pytest.mark.usefixtures("worker_logger")
 class TestPrunedAgreesWithRay:
     @pytest.mark.parametrize(("keep_last", "saved"), SCENARIOS.values(), ids=SCENARIOS.keys())
     def test_the_best_checkpoint_outlives_those_between_evaluations(
-        self,
-        client: TestClient,
-        auth: dict[str, str],
-        tmp_path: Path,
-        settings: Settings,
-        session_factory: sessionmaker[Session],
-        monkeypatch: pytest.MonkeyPatch,
-        keep_last: int,
-        saved: list[Saved],
+        self, report: Callable[..., Retention], keep_last: int, saved: list[Saved]
     ) -> None:
-        retention = run_checkpoints(
-            client,
-            auth,
-            tmp_path,
-            settings,
-            session_factory,
-            monkeypatch,
+        retention = report(
             keep_last=keep_last,
             saved=saved,
         )
@@ -213,26 +215,12 @@ class TestPrunedAgreesWithRay:
 
     @pytest.mark.parametrize(("keep_last", "saved"), SCENARIOS.values(), ids=SCENARIOS.keys())
     def test_checkpoints_reported_without_the_metric_as_ray_ranked_them(
-        self,
-        client: TestClient,
-        auth: dict[str, str],
-        tmp_path: Path,
-        settings: Settings,
-        session_factory: sessionmaker[Session],
-        monkeypatch: pytest.MonkeyPatch,
-        keep_last: int,
-        saved: list[Saved],
+        self, report: Callable[..., Retention], keep_last: int, saved: list[Saved]
     ) -> None:
         """A run a worker reported before the fix: Ray scored a checkpoint without the
         metric as the best of all (and deleted the best evaluated one); the list says what
         Ray did, not what it should have done."""
-        retention = run_checkpoints(
-            client,
-            auth,
-            tmp_path,
-            settings,
-            session_factory,
-            monkeypatch,
+        retention = report(
             keep_last=keep_last,
             saved=saved,
             ranked=False,
