@@ -61,7 +61,7 @@ def tokenize_chat_with_stats(
     cost."""
     field = spec.dataset.messages_field
     seq_length = spec.training.seq_length
-    assert seq_length is not None  # resolved first (model_setup.with_seq_length)
+    assert seq_length is not None  # resolved first (model_setup.prepare_training)
     _require_template(tokenizer)
 
     def encode(record: dict[str, Any], index: int) -> dict[str, Any]:

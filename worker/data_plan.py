@@ -26,7 +26,7 @@ from contract.run_request import RunSpec
 
 
 def plan(spec: RunSpec) -> dict[str, Any]:
-    from worker.model_setup import load_tokenizer, prepare_examples, with_seq_length
+    from worker.model_setup import load_tokenizer, prepare_training
 
     try:
         tokenizer = load_tokenizer(spec)
@@ -34,8 +34,7 @@ def plan(spec: RunSpec) -> dict[str, Any]:
         return {"error": _first_line(exc)}
     notes: list[str] = []
     try:
-        resolved = with_seq_length(spec, tokenizer, notes=notes)
-        examples, _ = prepare_examples(resolved, tokenizer, split=None, notes=notes)
+        resolved, examples, _ = prepare_training(spec, tokenizer, notes=notes)
     except MemoryError:
         return {"error": "preparing the data went past the memory a count may take"}
     except Exception as exc:  # what the worker would fail with, at the same point

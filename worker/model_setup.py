@@ -72,15 +72,31 @@ def prepare_examples(
     source: str | None = None,
 ) -> tuple[Any, Any]:
     """Tokenized examples for one split (of `source`, when given, in place of
-    dataset.source), and the label values (classification only); what fitting chat or
-    preference data into seq_length cost is added to `notes`.
+    dataset.source), packed where the run asks, and the label values (classification
+    only); what fitting chat or preference data into seq_length cost is added to `notes`.
 
     `labels` fixes the label ids (the train split's), so an eval split with fewer distinct
     labels still maps each label to the id the model learned for it.
     """
+    examples, labels = _tokenized(
+        spec, tokenizer, split=split, labels=labels, notes=notes, source=source
+    )
+    return _packed(spec, tokenizer, examples), labels
+
+
+def _tokenized(
+    spec: RunSpec,
+    tokenizer: Any,
+    *,
+    split: str | None,
+    labels: list[Any] | None = None,
+    notes: list[str] | None = None,
+    source: str | None = None,
+) -> tuple[Any, Any]:
+    """`prepare_examples` but the packing."""
     ds, tr = spec.dataset, spec.training
-    # with_seq_length resolves an unset one first (build_data, worker/data_plan.py).
-    assert tr.seq_length is not None, "seq_length must be resolved (with_seq_length)"
+    # prepare_training resolves an unset one first (build_data, worker/data_plan.py).
+    assert tr.seq_length is not None, "seq_length must be resolved (prepare_training)"
     if source is not None:
         # Another file's examples are all evaluated: max_samples limits training data.
         ds = ds.model_copy(update={"source": source, "config": None, "max_samples": None})
@@ -106,8 +122,8 @@ def prepare_examples(
     if ds.format == "chat":
         from worker.chat import tokenize_chat
 
-        examples = tokenize_chat(raw, tokenizer, spec=spec, notes=notes)
-    elif ds.format == "prompt_completion":
+        return tokenize_chat(raw, tokenizer, spec=spec, notes=notes), None
+    if ds.format == "prompt_completion":
         examples = tokenize_prompt_completion(
             raw,
             tokenizer,
@@ -115,36 +131,46 @@ def prepare_examples(
             completion_field=ds.completion_field,
             seq_length=tr.seq_length,
         )
-    else:
-        examples = tokenize_dataset(
-            raw, tokenizer, text_field=ds.text_field, seq_length=tr.seq_length
-        )
-    if tr.packing:
-        examples = pack_sequences(
-            examples, seq_length=tr.seq_length, eos_token_id=tokenizer.eos_token_id
-        )
+        return examples, None
+    examples = tokenize_dataset(raw, tokenizer, text_field=ds.text_field, seq_length=tr.seq_length)
     return examples, None
 
 
-def with_seq_length(spec: RunSpec, tokenizer: Any, *, notes: list[str]) -> RunSpec:
-    """The spec with training.seq_length chosen from the training data where the request
-    left it unset (contract/seq_length.py), and a note saying what was chosen.
+def _packed(spec: RunSpec, tokenizer: Any, examples: Any) -> Any:
+    """Causal-LM rows (text, prompt/completion, chat) in seq_length blocks where the run
+    asks; classification and preference examples are never packed."""
+    tr = spec.training
+    if not tr.packing or spec.task == "sequence_classification":
+        return examples
+    if spec.dataset.format == "preference":
+        return examples
+    assert tr.seq_length is not None
+    return pack_sequences(examples, seq_length=tr.seq_length, eos_token_id=tokenizer.eos_token_id)
 
-    The data is tokenized once at the cap + 1 (the model's maximum positions), unpacked,
-    to find the longest example and how many the cap truncates."""
+
+def prepare_training(
+    spec: RunSpec, tokenizer: Any, *, notes: list[str]
+) -> tuple[RunSpec, Any, Any]:
+    """The training split's examples and label values (`prepare_examples`), and the spec
+    they were prepared at: with training.seq_length chosen from the data first where the
+    request left it unset (contract/seq_length.py), and a note saying what was chosen.
+
+    To choose, the data is tokenized at the cap + 1 (the model's maximum positions),
+    unpacked, which shows the longest example and how many the cap truncates. Where that
+    cut nothing and noted nothing, those rows are the rows a pass at the chosen length
+    gives, and they are kept (packed where asked): the data is tokenized once."""
     if spec.training.seq_length is not None:
-        return spec
+        examples, labels = prepare_examples(spec, tokenizer, split=None, notes=notes)
+        return spec, examples, labels
     from transformers import AutoConfig
 
     with _loading(spec.model):
         config = AutoConfig.from_pretrained(spec.model).to_dict()
     cap = seq_length_cap(config)
-    probe = spec.model_copy(
-        update={
-            "training": spec.training.model_copy(update={"seq_length": cap + 1, "packing": False})
-        }
+    probe_notes: list[str] = []
+    examples, labels = _tokenized(
+        _at_seq_length(spec, cap + 1), tokenizer, split=None, notes=probe_notes
     )
-    examples, _ = prepare_examples(probe, tokenizer, split=None, notes=[])
     columns = [name for name in examples.column_names if name.endswith("input_ids")]
     lengths = [
         max(len(ids) for ids in row)
@@ -158,9 +184,18 @@ def with_seq_length(spec: RunSpec, tokenizer: Any, *, notes: list[str]) -> RunSp
     )
     log.info(note)
     notes.append(note)
-    return spec.model_copy(
-        update={"training": spec.training.model_copy(update={"seq_length": chosen})}
-    )
+    resolved = _at_seq_length(spec, chosen)
+    if truncated or probe_notes:
+        # Rows cut at cap + 1, or notes that name that length: prepared again at the one
+        # chosen.
+        examples, labels = prepare_examples(resolved, tokenizer, split=None, notes=notes)
+        return resolved, examples, labels
+    return resolved, _packed(resolved, tokenizer, examples), labels
+
+
+def _at_seq_length(spec: RunSpec, seq_length: int) -> RunSpec:
+    training = spec.training.model_copy(update={"seq_length": seq_length})
+    return spec.model_copy(update={"training": training})
 
 
 def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
@@ -173,8 +208,7 @@ def build_data(spec: RunSpec, tokenizer: Any, *, rank: int) -> Data:
     def prepare() -> tuple[Any, Any, Any]:
         # Every rank prepares the same data: rank 0's notes are the run's.
         notes.clear()
-        resolved = with_seq_length(spec, tokenizer, notes=notes)
-        train, labels = prepare_examples(resolved, tokenizer, split=None, notes=notes)
+        resolved, train, labels = prepare_training(spec, tokenizer, notes=notes)
         evaluation = None
         if wanted := spec.dataset.eval_wanted():
             eval_source, eval_split = wanted

@@ -39,7 +39,7 @@ def tokenize_preference(
 
     ds = spec.dataset
     seq_length = spec.training.seq_length
-    assert seq_length is not None  # resolved first (model_setup.with_seq_length)
+    assert seq_length is not None  # resolved first (model_setup.prepare_training)
 
     def encode(record: dict[str, Any], index: int) -> dict[str, list[int]]:
         problem = preference_record_problem(

@@ -15,7 +15,7 @@ from app.services import data_plan
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
 from tests.factories import run_request
-from worker.model_setup import load_tokenizer, prepare_examples, with_seq_length
+from worker.model_setup import load_tokenizer, prepare_examples, prepare_training
 
 WORDS = [
     "the",
@@ -59,7 +59,8 @@ def _workers_count(body: dict[str, Any]) -> tuple[int, int]:
         storage_path="/unused",
     )
     tokenizer = load_tokenizer(spec)
-    spec = with_seq_length(spec, tokenizer, notes=[])
+    # The length prepare_training chooses; the rows, from a fresh pass at it.
+    spec, _, _ = prepare_training(spec, tokenizer, notes=[])
     examples, _ = prepare_examples(spec, tokenizer, split=None, notes=[])
     assert spec.training.seq_length is not None
     return StepPlan.for_examples(spec, examples=len(examples)).total_steps, spec.training.seq_length

@@ -28,7 +28,7 @@ from app.settings import Settings
 from contract.run_request import RunSpec
 from tests.app.conftest import served
 from tests.conftest import make_api_key
-from worker.model_setup import load_tokenizer, with_seq_length
+from worker.model_setup import load_tokenizer, prepare_training
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
@@ -311,6 +311,6 @@ def test_a_model_with_another_chat_template_is_not_answered_from_the_cache(
         attempt=1,
         storage_path="/unused",
     )
-    workers = with_seq_length(spec, load_tokenizer(spec), notes=[]).training.seq_length
+    workers = prepare_training(spec, load_tokenizer(spec), notes=[])[0].training.seq_length
     assert workers == 128  # the long template's conversations are over 64 tokens
     assert chosen(folders["long"], auth) == workers
