@@ -72,6 +72,17 @@ class ApiKey(Base):
     max_queued_runs: Mapped[int | None] = mapped_column(Integer)
     max_gpus: Mapped[int | None] = mapped_column(Integer)
     max_priority: Mapped[int | None] = mapped_column(Integer)
+    # Signs this key's runs' webhook deliveries (app/services/webhooks.py), so that one
+    # tenant cannot forge deliveries to another's receiver; shown once, when the key is made
+    # or the secret rotated.
+    webhook_secret: Mapped[str | None] = mapped_column(String(64))
+    # May this key's runs set `preemptible: false`? None: unless `max_priority` caps the key
+    # (a capped key could otherwise hold what no higher priority can take back).
+    allow_non_preemptible: Mapped[bool | None] = mapped_column(Boolean)
+    # Where this key's runs may track (app/services/tracking_rules.py): the MLflow experiment
+    # and W&B project are prefixed with `tracking_prefix`, the W&B entity pinned.
+    tracking_prefix: Mapped[str | None] = mapped_column(String(100))
+    wandb_entity: Mapped[str | None] = mapped_column(String(100))
 
 
 class Run(Base):
