@@ -421,6 +421,30 @@ MaxGpus = Annotated[str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP[
 MaxPriority = Annotated[
     str | None, typer.Option(metavar="N|none", help=_LIMIT_HELP["max_priority"])
 ]
+# What the key's runs may ask for beyond its share, taken alike (`none` lifts a name).
+AllowNonPreemptible = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-non-preemptible/--no-allow-non-preemptible",
+        help="May this key's runs set preemptible false, holding what no higher priority can "
+        "take back? Not given at creation: yes, unless --max-priority caps the key.",
+    ),
+]
+TrackingPrefix = Annotated[
+    str | None,
+    typer.Option(
+        metavar="PREFIX|none",
+        help="The MLflow experiment and W&B project of this key's runs must start with it "
+        "(others: 422; unset: PREFIX + 'tuneyard').",
+    ),
+]
+WandbEntity = Annotated[
+    str | None,
+    typer.Option(
+        metavar="ENTITY|none",
+        help="The only W&B entity this key's runs may log to (another: 422; unset: ENTITY).",
+    ),
+]
 
 
 def _limits(**given: str | None) -> dict[str, int | None]:
@@ -444,6 +468,21 @@ def _limits(**given: str | None) -> dict[str, int | None]:
     return limits
 
 
+def _permissions(
+    allow_non_preemptible: bool | None, **names: str | None
+) -> dict[str, bool | str | None]:
+    """The permissions given on the command line; a name's `none` lifts it."""
+    from app.services.api_keys import UNLIMITED
+
+    given: dict[str, bool | str | None] = {}
+    if allow_non_preemptible is not None:
+        given["allow_non_preemptible"] = allow_non_preemptible
+    for name, value in names.items():
+        if value is not None:
+            given[name] = None if value.strip().lower() == UNLIMITED else value
+    return given
+
+
 def _refused(exc: Exception) -> NoReturn:
     from app.errors import ValidationFailed
 
@@ -462,22 +501,58 @@ def keys_create(
     max_queued_runs: MaxQueuedRuns = None,
     max_gpus: MaxGpus = None,
     max_priority: MaxPriority = None,
+    allow_non_preemptible: AllowNonPreemptible = None,
+    tracking_prefix: TrackingPrefix = None,
+    wandb_entity: WandbEntity = None,
 ) -> None:
     """Create an API key in the service's database and print it (it is shown only once).
-    Without a limit, the key has none."""
+    Without a limit, the key has none. The key's webhook signing secret, which signs its
+    runs' webhooks, is printed on stderr, also once (`keys rotate-webhook-secret` replaces
+    it), so that stdout stays the key alone for scripts."""
     from app.errors import ValidationFailed
     from app.services.api_keys import issue_api_key
 
-    limits = _limits(
-        max_running_runs=max_running_runs,
-        max_queued_runs=max_queued_runs,
-        max_gpus=max_gpus,
-        max_priority=max_priority,
-    )
+    limits = {
+        **_limits(
+            max_running_runs=max_running_runs,
+            max_queued_runs=max_queued_runs,
+            max_gpus=max_gpus,
+            max_priority=max_priority,
+        ),
+        **_permissions(
+            allow_non_preemptible, tracking_prefix=tracking_prefix, wandb_entity=wandb_entity
+        ),
+    }
     try:
-        secret = issue_api_key(_settings().resolved_database_url, name=name, limits=limits)
+        issued = issue_api_key(_settings().resolved_database_url, name=name, limits=limits)
     except ValidationFailed as exc:
         _refused(exc)
+    typer.echo(issued.secret)
+    err.print(f"{WEBHOOK_SECRET_LABEL} {issued.webhook_secret}", markup=False, highlight=False)
+
+
+# How `keys create` labels the webhook signing secret on stderr (scripts look for it).
+WEBHOOK_SECRET_LABEL = "webhook signing secret (shown once; verifies Tuneyard-Signature):"
+
+
+@keys_app.command("rotate-webhook-secret")
+def keys_rotate_webhook_secret(
+    key: Annotated[str, typer.Argument(help="The key's id, or the name of its one live key.")],
+) -> None:
+    """Replace a key's webhook signing secret and print the new one (shown only once). Its
+    runs' deliveries are signed with it from now on, retries of earlier ones included.
+    Exit 4 if no key matches, 3 if several live keys share the name."""
+    from app.errors import Conflict, NotFound
+    from app.services.api_keys import rotate_webhook_secret_in
+
+    try:
+        _, secret = rotate_webhook_secret_in(_settings().resolved_database_url, ref=key)
+    except NotFound as exc:
+        err.print(f"[red]error:[/] {exc.detail}")
+        raise typer.Exit(ExitCode.NOT_FOUND) from None
+    except Conflict as exc:
+        err.print(f"[red]error:[/] {exc.detail}")
+        raise typer.Exit(ExitCode.REFUSED) from None
     typer.echo(secret)
 
 
@@ -488,19 +563,27 @@ def keys_update(
     max_queued_runs: MaxQueuedRuns = None,
     max_gpus: MaxGpus = None,
     max_priority: MaxPriority = None,
+    allow_non_preemptible: AllowNonPreemptible = None,
+    tracking_prefix: TrackingPrefix = None,
+    wandb_entity: WandbEntity = None,
 ) -> None:
-    """Change a key's limits (`none` lifts one; a limit not given stays). Every service
+    """Change a key's limits and permissions (`none` lifts one; one not given stays). Every service
     replica applies them from its next scheduling pass; runs already started keep running.
     Exit 4 if no key matches, 3 if several live keys share the name or a limit is invalid."""
     from app.errors import Conflict, NotFound, ValidationFailed
     from app.services.api_keys import update_api_key_in
 
-    limits = _limits(
-        max_running_runs=max_running_runs,
-        max_queued_runs=max_queued_runs,
-        max_gpus=max_gpus,
-        max_priority=max_priority,
-    )
+    limits = {
+        **_limits(
+            max_running_runs=max_running_runs,
+            max_queued_runs=max_queued_runs,
+            max_gpus=max_gpus,
+            max_priority=max_priority,
+        ),
+        **_permissions(
+            allow_non_preemptible, tracking_prefix=tracking_prefix, wandb_entity=wandb_entity
+        ),
+    }
     try:
         updated = update_api_key_in(_settings().resolved_database_url, ref=key, limits=limits)
     except NotFound as exc:
@@ -512,18 +595,29 @@ def keys_update(
 
 
 def _limits_text(key: Any) -> str:
-    from app.services.api_keys import LIMITS
+    from app.services.api_keys import LIMITS, PERMISSIONS
 
     set_ = [f"{name} {getattr(key, name)}" for name in LIMITS if getattr(key, name) is not None]
+    set_ += [
+        f"{name} {json.dumps(getattr(key, name))}"
+        for name in PERMISSIONS
+        if getattr(key, name) is not None
+    ]
     return ", ".join(set_) or "no limits"
+
+
+def _non_preemptible_text(allowed: bool | None) -> str:
+    """A key's allow_non_preemptible as `keys list` shows it; unset: the default rule."""
+    return "unless capped" if allowed is None else ("yes" if allowed else "no")
 
 
 @keys_app.command("list")
 def keys_list(as_json: JsonOpt = False) -> None:
-    """Every API key: id, name, when created, and when revoked (never the secret)."""
+    """Every API key: id, name, when created, when revoked, its permissions and its limits
+    (never a secret)."""
     from rich.table import Column, Table
 
-    from app.services.api_keys import LIMITS, api_keys_in
+    from app.services.api_keys import LIMITS, PERMISSIONS, api_keys_in
 
     keys: list[dict[str, Any]] = [
         {
@@ -531,7 +625,7 @@ def keys_list(as_json: JsonOpt = False) -> None:
             "name": key.name,
             "created_at": key.created_at.isoformat(),
             "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
-            **{name: getattr(key, name) for name in LIMITS},
+            **{name: getattr(key, name) for name in (*LIMITS, *PERMISSIONS)},
         }
         for key in api_keys_in(_settings().resolved_database_url)
     ]
@@ -543,6 +637,9 @@ def keys_list(as_json: JsonOpt = False) -> None:
         "name",
         "created",
         "revoked",
+        "non-preemptible",
+        "tracking prefix",
+        "wandb entity",
         *(Column(name.removeprefix("max_").replace("_", " "), justify="right") for name in LIMITS),
     )
     for key in keys:
@@ -552,6 +649,9 @@ def keys_list(as_json: JsonOpt = False) -> None:
             key["name"],
             _when(key["created_at"]),
             f"[red]{_when(revoked)}[/]" if revoked else "",
+            _non_preemptible_text(key["allow_non_preemptible"]),
+            key["tracking_prefix"] or "-",
+            key["wandb_entity"] or "-",
             *("-" if key[name] is None else str(key[name]) for name in LIMITS),
         )
     out.print(table)

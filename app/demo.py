@@ -33,7 +33,7 @@ def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
     else:
         model_dir, data_file = _build_assets(settings.home_dir / DEMO_DIRNAME)
         model, dataset = str(model_dir), {"source": str(data_file), "text_field": "text"}
-    api_key = issue_api_key(settings.resolved_database_url, name="demo")
+    api_key = issue_api_key(settings.resolved_database_url, name="demo").secret
     port = port or free_port()
     base = f"http://127.0.0.1:{port}"
 

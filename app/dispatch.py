@@ -136,6 +136,7 @@ class Dispatcher(TickLoop):
         revive_ray: Callable[[], None] | None = None,
         metrics: ServiceMetrics | None = None,
         cluster: ClusterView | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -146,6 +147,8 @@ class Dispatcher(TickLoop):
         self.jobs = jobs
         # The cluster's nodes (validation's view): a queued run they can never hold fails.
         self.cluster = cluster
+        # When a queued run was first seen that the nodes can never hold (`_never_fits`).
+        self._clock = clock
         self._unplaceable_since: dict[str, float] = {}
         self._unplaceable_last_pass: set[str] = set()
         self._usage_unknown_since: float | None = None
@@ -250,11 +253,11 @@ class Dispatcher(TickLoop):
         self._usage_unknown_since = None
         return free, True
 
-    def _never_fits(self) -> Callable[[str, dict[str, Any]], str | None] | None:
-        """Why the cluster's nodes can never hold a queued run, once that has held for
-        TUNEYARD_PLACEMENT_TIMEOUT_S (a node lost for good, not one restarting or rejoining
-        after a head restart); None for a cluster not judged (it autoscales, or is not
-        known)."""
+    def _never_fits(self) -> Callable[[str, dict[str, Any]], queue.NeverFits | None] | None:
+        """Whether the cluster's nodes can never hold a queued run: said at once, and failed
+        once that has held for TUNEYARD_UNPLACEABLE_GRACE_S (a node lost for good, not one
+        restarting or rejoining after a head restart; a GPU run accepted before the nodes
+        were known); None for a cluster not judged (it autoscales, or is not known)."""
         # Forget the runs that fit again, or left the queue, in the last pass.
         self._unplaceable_since = {
             run_id: since
@@ -265,9 +268,10 @@ class Dispatcher(TickLoop):
         nodes = self.cluster.nodes() if self.cluster is not None else None
         if nodes is None:
             return None
-        now = time.monotonic()
+        now = self._clock()
+        grace = self.settings.unplaceable_grace_s
 
-        def never_fits(run_id: str, spec: dict[str, Any]) -> str | None:
+        def never_fits(run_id: str, spec: dict[str, Any]) -> queue.NeverFits | None:
             problems = placement_problems(
                 ResourcesSpec.model_validate(spec["resources"]),
                 nodes,
@@ -275,12 +279,17 @@ class Dispatcher(TickLoop):
             )
             if not problems:
                 return None
+            why = "; ".join(p["message"] for p in problems)
             seen.add(run_id)
             since = self._unplaceable_since.setdefault(run_id, now)
-            if now - since < self.settings.placement_timeout_s:
-                return None
+            if now - since < grace:
+                return queue.NeverFits(
+                    f"no node can hold it: {why} (it fails if none that can joins within "
+                    f"{grace:g} s, TUNEYARD_UNPLACEABLE_GRACE_S)",
+                    fail=False,
+                )
             del self._unplaceable_since[run_id]
-            return "; ".join(p["message"] for p in problems)
+            return queue.NeverFits(why, fail=True)
 
         return never_fits
 

@@ -26,6 +26,7 @@ from app.ray_head import ensure_local_head, stop_local_head
 from app.ray_jobs import RayJobs
 from app.schemas.profile import ValidateRequest
 from app.services.placement import ClusterView
+from app.services.profiles import ProfileReaper
 from app.services.tracking_rules import configure_sessions as configure_tracking_sessions
 from app.services.webhook_delivery import WebhookDeliverer
 from app.services.webhooks import configure_sessions
@@ -54,6 +55,7 @@ def create_app(
         settings.storage.check_reachable()
         head = None
         deliverer: WebhookDeliverer | None = None
+        reaper: ProfileReaper | None = None
         if start_background:
             if settings.ray_address:
                 # A remote cluster's token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN(_PATH),
@@ -84,6 +86,10 @@ def create_app(
                 cluster=state.cluster,
             )
             dispatcher.start()
+            # Profiles a crash left running, and their files, go first thing (and any a
+            # later one leaves, every few minutes).
+            reaper = ProfileReaper(settings=settings, jobs=jobs, slots=state.profile_slots)
+            reaper.start()
             if settings.webhook_secret is not None:  # without one, no run has webhooks
                 deliverer = WebhookDeliverer(
                     settings=settings, session_factory=state.session_factory
@@ -102,6 +108,8 @@ def create_app(
         finally:
             if deliverer is not None:
                 deliverer.stop()
+            if reaper is not None:
+                reaper.stop()
             if state.dispatcher is not None:
                 state.dispatcher.stop()
             if head is not None and owns_local_head:

@@ -22,6 +22,9 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy import (
+    false as sa_false,
+)
+from sqlalchemy import (
     true as sa_true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -43,12 +46,31 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# Ids are a prefix, "_" and this many random bytes in lower-case hex.
+_ID_BYTES = 10
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(10)}"
+    return f"{prefix}_{secrets.token_hex(_ID_BYTES)}"
+
+
+def minted_id(prefix: str) -> re.Pattern[str]:
+    """The shape of every id `new_id(prefix)` makes, and so of every id of that kind there
+    is. A client's id of any other shape (a NUL, which PostgreSQL refuses in text, a
+    megabyte, another alphabet) names nothing: the lookups answer it as an unknown id
+    without asking the database (`is_minted`)."""
+    return re.compile(rf"{re.escape(prefix)}_[0-9a-f]{{{2 * _ID_BYTES}}}")
 
 
 # A run's id as new_id makes it: a run may be named where a model is (train from its export).
-RUN_ID = re.compile(r"run_[0-9a-f]{20}")
+RUN_ID = minted_id("run")
+FILE_ID = minted_id("file")
+
+
+def is_minted(kind: re.Pattern[str], value: str) -> bool:
+    """Whether `value` has the shape of an id of this kind (`RUN_ID`, `FILE_ID`): the check
+    every lookup of a client's id makes before its query."""
+    return kind.fullmatch(value) is not None
 
 
 class Base(DeclarativeBase):
@@ -66,8 +88,8 @@ class ApiKey(Base):
     # Set by `tuneyard keys revoke`; a revoked key authenticates nothing from then on.
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # The key's share of the cluster (`tuneyard keys create/update`); None: no limit.
-    # app/services/key_limits.py applies them, the scheduler (app/services/scheduling.py)
-    # the running ones.
+    # app/services/queue.py (check_submission) applies them, the scheduler
+    # (app/services/scheduling.py) the running ones.
     max_running_runs: Mapped[int | None] = mapped_column(Integer)
     max_queued_runs: Mapped[int | None] = mapped_column(Integer)
     max_gpus: Mapped[int | None] = mapped_column(Integer)
@@ -77,10 +99,11 @@ class ApiKey(Base):
     # or the secret rotated.
     webhook_secret: Mapped[str | None] = mapped_column(String(64))
     # May this key's runs set `preemptible: false`? None: unless `max_priority` caps the key
-    # (a capped key could otherwise hold what no higher priority can take back).
+    # (a capped key could otherwise hold what no higher priority can take back); applied
+    # by app/services/queue.py.
     allow_non_preemptible: Mapped[bool | None] = mapped_column(Boolean)
     # Where this key's runs may track (app/services/tracking_rules.py): the MLflow experiment
-    # and W&B project are prefixed with `tracking_prefix`, the W&B entity pinned.
+    # and W&B project must start with `tracking_prefix`, the W&B entity is pinned.
     tracking_prefix: Mapped[str | None] = mapped_column(String(100))
     wandb_entity: Mapped[str | None] = mapped_column(String(100))
 
@@ -238,6 +261,10 @@ class WebhookDelivery(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     event: Mapped[str] = mapped_column(String(32))  # "run.succeeded", "run.checkpoint", ...
     url: Mapped[str] = mapped_column(Text)
+    # To a service-wide subscriber (TUNEYARD_WEBHOOK_URLS), signed with the service's
+    # secret; else to one of the run's own webhooks, signed with its owner key's secret.
+    # A run's owner lists only its own hooks' deliveries.
+    service_wide: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     # The body, as sent on every attempt (only the signature's timestamp changes).
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="pending")  # | delivered | failed

@@ -43,6 +43,17 @@ class JobState:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A submitted job as Ray lists it."""
+
+    submission_id: str
+    status: str
+    # When it was submitted, in seconds since the epoch by the head's clock (None: unknown).
+    submitted_at: float | None
+    metadata: dict[str, str]
+
+
 class RayJobs:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -84,14 +95,23 @@ class RayJobs:
             self._drop_client()
             return False
 
-    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
-        """Submit once; a submission id Ray already holds counts as submitted."""
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """Submit once; a submission id Ray already holds counts as submitted. `metadata`
+        is kept with Ray's record of the job (`list_jobs`)."""
         client = self._get_client()
         try:
             client.submit_job(
                 entrypoint=entrypoint,
                 submission_id=submission_id,
                 runtime_env=runtime_env,
+                metadata=metadata,
                 # The driver only coordinates; the training workers ask for the CPUs.
                 entrypoint_num_cpus=0,
             )
@@ -116,6 +136,26 @@ class RayJobs:
             self._drop_client()
             raise RayUnavailable(f"cannot read job {submission_id} from Ray: {exc}") from exc
         return JobState(status=str(info.status.value), message=info.message or "")
+
+    def list_jobs(self) -> list[JobRecord]:
+        """Every submitted job Ray keeps a record of (drivers without a submission id, such
+        as a `ray.init` script's, are left out)."""
+        client = self._get_client()
+        try:
+            details = client.list_jobs()
+        except Exception as exc:
+            self._drop_client()
+            raise RayUnavailable(f"cannot list the jobs of {self.display_address}: {exc}") from exc
+        return [
+            JobRecord(
+                submission_id=job.submission_id,
+                status=str(job.status.value),
+                submitted_at=job.start_time / 1000 if job.start_time else None,
+                metadata=dict(job.metadata or {}),
+            )
+            for job in details
+            if job.submission_id
+        ]
 
     def stop(self, submission_id: str) -> None:
         try:

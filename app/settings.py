@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.services.webhook_addresses import AddressPolicy
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
 from contract.run_request import TERMINAL_WEBHOOK_EVENTS, WEBHOOK_EVENTS, WebhookSpec
 from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
@@ -24,15 +25,23 @@ DEMO_DIRNAME = "demo"
 UPLOADS_DIRNAME = "files"
 
 
+# The service's own folders, by what they hold: a refusal names which (path_rules.py).
+ServiceFolder = Literal["uploads", "storage", "state"]
+
+
 class SourceRoots(list[Path]):
     """The folders a run may read a local model or dataset from (the list itself), and the
-    folders inside them it may never read from, whatever the list says (`refused`): the
-    service's uploads, which a run reaches through a file id that only its owner can use.
-    A list, so that callers which only know the allowed roots keep working."""
+    service's own folders it may never read from, whatever the list says (`refused`, the
+    most specific first): its uploads and the rest of its storage (every run's checkpoints
+    and exports, profiles), each an API key's own and reached through a file or run id that
+    only its owner can use, and its state. A list, so that callers which only know the
+    allowed roots keep working. app/services/path_rules.py applies it."""
 
-    def __init__(self, allowed: Iterable[Path], *, refused: Iterable[Path] = ()) -> None:
+    def __init__(
+        self, allowed: Iterable[Path], *, refused: Mapping[Path, ServiceFolder] | None = None
+    ) -> None:
         super().__init__(allowed)
-        self.refused: tuple[Path, ...] = tuple(refused)
+        self.refused: dict[Path, ServiceFolder] = dict(refused or {})
 
 
 class Settings(BaseSettings):
@@ -90,6 +99,11 @@ class Settings(BaseSettings):
     # How long a started run's workers may wait to be placed (busy resources, nodes being
     # added) before the run fails; Ray Train's own default retries that wait forever.
     placement_timeout_s: float = Field(default=600.0, gt=0)
+    # A queued run no node of a cluster that does not autoscale can ever hold (a GPU run on
+    # CPU nodes, a node lost) says so at once and fails after this long: a minute lets a
+    # node that restarts, or rejoins a restarted head, come back; longer only keeps users
+    # waiting on a run that will never start.
+    unplaceable_grace_s: float = Field(default=60.0, gt=0)
     # Environment of every job, on top of what tuneyard sets: JSON, e.g.
     # {"NCCL_SOCKET_IFNAME": "eth0"}. Values are never logged (they may be secrets).
     job_env: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
@@ -115,6 +129,12 @@ class Settings(BaseSettings):
     webhook_events: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list[str](TERMINAL_WEBHOOK_EVENTS)
     )
+    # A run's webhooks go to public addresses only, checked again on every connection (a
+    # tenant's URL would otherwise reach the service's own network: app/services/
+    # webhook_addresses.py). Private receivers they may reach too, comma-separated: networks
+    # or addresses (10.20.0.0/16, 127.0.0.1, fd12::/16) and host names (a name listed may
+    # resolve to any address). Cloud metadata addresses stay refused whatever this says.
+    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # A delivery is retried with exponential backoff and jitter from this base (5 s, 10 s,
     # 20 s ...: about 10 minutes over 8 attempts), then given up as failed.
     webhook_max_attempts: int = Field(default=8, ge=1)
@@ -132,6 +152,10 @@ class Settings(BaseSettings):
     # A profile's Ray job is stopped past this: loading a large model and a first step that
     # JIT-builds DeepSpeed's ops can take minutes, but the request must end.
     profile_timeout_s: float = Field(default=900.0, gt=0)
+    # Profiles this process runs at once, all keys together (each key runs one at a time).
+    # A profile is a run-sized Ray job that starts at once, past the queue and its
+    # max_concurrent_runs: a few at most, so that profiling cannot crowd out the runs.
+    max_concurrent_profiles: int = Field(default=2, ge=1)
 
     # Experiment tracking (worker/tracking.py). The MLflow tracking server that runs asking
     # for `tracking.mlflow` log to, as the cluster's nodes reach it; unset, no run may ask.
@@ -193,7 +217,7 @@ class Settings(BaseSettings):
                 )
         return value
 
-    @field_validator("webhook_urls", "webhook_events", mode="before")
+    @field_validator("webhook_urls", "webhook_events", "webhook_allowed_networks", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
@@ -203,14 +227,26 @@ class Settings(BaseSettings):
     @field_validator("webhook_urls")
     @classmethod
     def _webhook_urls_are_http(cls, value: list[str]) -> list[str]:
+        # The URL rule runs' webhooks meet (httpx parses it, no credentials in it); not the
+        # address rule: the operator chose these receivers, on their own network maybe.
         for url in value:
             try:
                 WebhookSpec(url=url)
             except ValidationError:
                 # Only the rule: a URL may carry a token in its query.
                 raise ValueError(
-                    "TUNEYARD_WEBHOOK_URLS must be comma-separated http:// or https:// URLs"
+                    "TUNEYARD_WEBHOOK_URLS must be comma-separated http:// or https:// URLs, "
+                    "each one httpx can send to, without credentials (user:password@)"
                 ) from None
+        return value
+
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _allowed_networks_parse(cls, value: list[str]) -> list[str]:
+        try:
+            AddressPolicy.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"TUNEYARD_WEBHOOK_ALLOWED_NETWORKS: {exc}") from None
         return value
 
     @field_validator("webhook_events")
@@ -281,10 +317,14 @@ class Settings(BaseSettings):
         if self.allowed_roots:
             roots = [Path(p) for p in self.allowed_roots.split(":") if p]
         else:
-            # $TUNEYARD_HOME holds the storage path by default, uploads included: those stay
-            # refused (see SourceRoots), the rest (exports, the demo) may be trained from.
+            # $TUNEYARD_HOME holds the storage path by default: it stays refused (see
+            # SourceRoots), whatever the roots; the demo and the rest may be trained from.
             roots = [self.home_dir, self.home_dir / DEMO_DIRNAME]
-        return SourceRoots((r.expanduser().resolve() for r in roots), refused=[self.uploads_dir])
+        refused: dict[Path, ServiceFolder] = {self.uploads_dir.resolve(): "uploads"}
+        if not self.storage.remote:
+            refused[Path(self.storage.root).resolve()] = "storage"
+        refused[self.ray_state_dir.resolve()] = "state"
+        return SourceRoots((r.expanduser().resolve() for r in roots), refused=refused)
 
     @property
     def resolved_callback_url(self) -> str:

@@ -13,10 +13,12 @@ that need the file system or settings, live in app/services/run_rules.py.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from typing import Annotated, Any, Literal, Self
 
+import httpx
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from pydantic import (
@@ -391,13 +393,52 @@ TERMINAL_WEBHOOK_EVENTS: list[WebhookEvent] = ["run.succeeded", "run.failed", "r
 MAX_URL_CHARS = 2048
 
 
-def _webhook_url(value: str) -> str:
-    _name(value)
+# A host as a URL names it: a DNS name's labels (IDNs as httpx writes them, xn--...).
+_HOST_NAME = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*\.?$")
+
+
+def webhook_url_problem(value: str) -> str | None:
+    """Why `value` is not a URL a webhook can be POSTed to, as httpx (the deliverer's client)
+    parses it, or None. The URL only: where it may point is the service's rule
+    (app/services/webhook_addresses.py), which needs its settings and DNS."""
     if not re.match(r"^https?://[^/?#\s]+", value, flags=re.IGNORECASE):
-        raise ValueError(
+        return (
             f"{_shown(value)} is not an http:// or https:// URL: webhooks are delivered by "
             "HTTP POST"
         )
+    try:
+        url = httpx.URL(value)
+    except (httpx.InvalidURL, ValueError) as exc:  # e.g. http://a:b/ (a port that is no number)
+        return f"{_shown(value)} is not a URL the service can send to: {exc}"
+    if url.userinfo:
+        # Not shown: it is a password. A receiver checks the signature instead.
+        return (
+            "the URL carries credentials (user:password@), which tuneyard does not send: "
+            "every delivery is signed (Tuneyard-Signature), so check that instead"
+        )
+    if url.port is not None and not 1 <= url.port <= 65535:
+        return f"{_shown(value)}: port {url.port} is not within 1..65535"
+    if not _is_host(url.host):
+        return f"{_shown(value)}: {url.host!r} is neither a host name nor an IP address"
+    return None
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= 253 and bool(_HOST_NAME.match(host))
+
+
+def _webhook_url(value: str, info: ValidationInfo) -> str:
+    _name(value)
+    if info.context and info.context.get(RESOLVED_SPEC):
+        # A stored run's URL was checked when the run was made; a rule tightened since must
+        # not make the run unreadable (the deliverer records a URL it cannot send to).
+        return value
+    if problem := webhook_url_problem(value):
+        raise ValueError(problem)
     return value
 
 
@@ -412,7 +453,11 @@ class WebhookSpec(BaseModel):
 
     model_config = _strict
 
-    url: WebhookUrl
+    url: WebhookUrl = Field(
+        description="An http:// or https:// URL without credentials, at a public address "
+        "(or on a network the operator allows: TUNEYARD_WEBHOOK_ALLOWED_NETWORKS), checked "
+        "when the run is made and on every delivery."
+    )
     events: list[WebhookEvent] = Field(
         default_factory=lambda: list(TERMINAL_WEBHOOK_EVENTS),
         min_length=1,
@@ -640,7 +685,8 @@ class RunRequest(RunDefinition):
         description="Whether a run of higher priority that cannot be placed may stop this "
         "one: it saves a checkpoint at the step it is on, goes back to the queue with a "
         "`preempted` event, and later resumes from there as a new attempt that no failure "
-        "budget counts.",
+        "budget counts. `false` is an API key's permission: a key capped by `max_priority` "
+        "has it only if its operator grants it (a 422 names it).",
     )
 
     def worker_fields(self) -> dict[str, Any]:

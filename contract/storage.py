@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # The standard variables object-store clients read; a job gets the service's own values
 # of these whenever storage is an object store (contract/job_env.py keeps tuneyard's names).
@@ -106,9 +106,14 @@ class Storage:
         return bool(info.type != pafs.FileType.NotFound)
 
     def files(self, location: str) -> list[StoredFile]:
-        """Every file under a folder, sorted by name; [] for a folder that is not there."""
+        """Every file under a folder, sorted by name; [] for a folder that is not there.
+
+        Regular files only, reached without following a symbolic link: what a run wrote
+        in its folder may link anywhere on this machine (pyarrow's listing follows links)."""
         import pyarrow.fs as pafs
 
+        if not self.remote:
+            return self._call(location, _regular_files, Path(self._path(location)))
         base = self._path(location).rstrip("/")
         selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
         infos = self._call(location, self.fs.get_file_info, selector)
@@ -131,6 +136,13 @@ class Storage:
         return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
     def read_chunks(self, location: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        """A file's bytes; on a local folder, never a symbolic link's target."""
+        if not self.remote:
+            opened = self._call(location, _open_no_link, self._path(location))
+            with opened:
+                while chunk := opened.read(chunk_size):
+                    yield chunk
+            return
         stream = self._call(location, self.fs.open_input_stream, self._path(location))
         with stream:
             while chunk := stream.read(chunk_size):
@@ -224,6 +236,31 @@ class Storage:
             return fn(*args, **kwargs)
         except (OSError, ValueError) as exc:
             raise StorageError(f"storage {location!r}: {exc}") from exc
+
+
+def _regular_files(folder: Path) -> list[StoredFile]:
+    """The regular files under a local folder (not the folder itself a link), walked without
+    following links; sorted by name."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    found = []
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        with os.scandir(folder / relative) as listing:
+            for entry in listing:
+                name = f"{relative}/{entry.name}" if relative else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(name)
+                elif entry.is_file(follow_symlinks=False):
+                    found.append(StoredFile(name, entry.stat(follow_symlinks=False).st_size))
+    return sorted(found, key=lambda f: f.name)
+
+
+def _open_no_link(path: str) -> BinaryIO:
+    """A local file opened for reading, refused (ELOOP) when it is a symbolic link: one put
+    in place of a listed file after the listing."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
 # Schemes pyarrow opens itself (pyarrow.fs.FileSystem.from_uri); others go through fsspec.

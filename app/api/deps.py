@@ -21,6 +21,7 @@ from app.metrics import ServiceMetrics
 from app.ray_jobs import RayJobs
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
+from app.services.profiles import ProfileSlots
 from app.settings import Settings
 
 T = TypeVar("T")
@@ -50,9 +51,12 @@ class AppState:
     # Calls to Ray's dashboard from requests (health, a job's log), which Ray's client makes
     # with no timeout: threads of their own, outside the database's admission.
     ray_calls: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(8))
+    # The profiles this process runs (`POST /v1/runs/validate` with `profile: true`).
+    profile_slots: ProfileSlots = field(init=False)
 
     def __post_init__(self) -> None:
         self.loop_writer = LoopWriter(self.session_factory, self.admission.sessions)
+        self.profile_slots = ProfileSlots(self.settings.max_concurrent_profiles)
 
 
 def app_state(request: Request) -> AppState:
@@ -78,6 +82,10 @@ async def get_dispatcher(request: Request) -> Dispatcher | None:
 
 async def get_cluster(request: Request) -> ClusterView | None:
     return app_state(request).cluster
+
+
+async def get_profile_slots(request: Request) -> ProfileSlots:
+    return app_state(request).profile_slots
 
 
 async def get_metrics(request: Request) -> ServiceMetrics:
@@ -257,6 +265,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 JobsDep = Annotated[RayJobs | None, Depends(get_jobs)]
 DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]
 ClusterDep = Annotated[ClusterView | None, Depends(get_cluster)]
+ProfileSlotsDep = Annotated[ProfileSlots, Depends(get_profile_slots)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 ReadSessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_read_session_factory)]
 # scope="function": commit before the response is sent, so a client never reads stale data.

@@ -63,7 +63,9 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-JobId = Annotated[str, Path(max_length=64), AfterValidator(refuse_nul)]
+# Any text: an id no job can have (a NUL, a megabyte) is a 404, as an unknown one is, and
+# never reaches a query (app/models.py `is_minted`).
+JobId = Annotated[str, Path(description="The job's id, as creating it returned it")]
 After = Annotated[
     str | None,
     Query(max_length=64, description="The id of the last item of the previous page"),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Query, Request, Security
 from sqlalchemy.orm import Session
 
 from app.api.deps import (
     MetricsDep,
+    SettingsDep,
     bearer_token,
     run_in_read_session,
     run_in_write_session,
@@ -51,7 +53,8 @@ _errors = error_responses(
         400: "The body is not UTF-8 text",
         401: "Missing, wrong or expired run token, or no such run (alike, on purpose)",
         409: "The attempt is over, or the status change is not allowed",
-        422: "The body breaks the callback schema; `detail` names each field and rule",
+        422: "The body breaks the callback schema, or a checkpoint's path is not under "
+        "storage/<run id>/; `detail` names each field and rule",
     }
 )
 
@@ -103,12 +106,18 @@ async def post_checkpoint(
     token_hash: VerifiedToken,
     request: Request,
     metrics: MetricsDep,
+    settings: SettingsDep,
 ) -> dict:
+    # Before the write: a local location's links are followed, which is file I/O.
+    checked = await anyio.to_thread.run_sync(
+        functools.partial(callbacks.checked_location, settings.storage, run_id=run_id, post=body)
+    )
+
     def write(session: Session) -> dict:
         run = callbacks.authorize_worker(
             session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
         )
-        return {"id": callbacks.store_checkpoint(session, run, body).id}
+        return {"id": callbacks.store_checkpoint(session, run, checked).id}
 
     answer = await run_in_write_session(request, write)
     metrics.callbacks.labels("checkpoint").inc()

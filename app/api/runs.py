@@ -34,6 +34,7 @@ from app.api.deps import (
     DispatcherDep,
     JobsDep,
     Principal,
+    ProfileSlotsDep,
     ReadSessionFactoryDep,
     SessionDep,
     SettingsDep,
@@ -90,7 +91,9 @@ _errors = error_responses({401: _UNAUTHORIZED, 404: _NOT_FOUND, 422: _INVALID_PA
 
 # Strings that reach a query refuse NUL, and numbers are bounded by their column, so that
 # PostgreSQL never gets a value it would refuse (a 500): the client gets a 422 naming it.
-RunId = Annotated[str, Path(), AfterValidator(refuse_nul)]
+# An id in the path is any text: one no run can have (a NUL, a megabyte) is a 404, as an
+# unknown one is, and never reaches a query (app/models.py `is_minted`).
+RunId = Annotated[str, Path(description="The run's id, as `POST /v1/runs` returned it")]
 # Cursors are short; the bound also keeps a hostile one from nesting deep enough to
 # exhaust the recursion of the JSON decoder that reads the runs list's cursor.
 Cursor = Annotated[
@@ -183,13 +186,17 @@ async def create_run(
         "steps on the cluster, with its resources, and `profile` reports what was measured "
         "(step time, tokens/s, peak memory per worker, the run's estimated wall time and "
         "cost); the answer then takes as long as loading the model and those steps. A "
-        "profile that cannot run or fails answers 200 with `profile.error`."
+        "profile that cannot run or fails answers 200 with `profile.error`. A profile runs "
+        "on the cluster as a run does: it is refused (429, naming the rule) while the API "
+        "key is at its max_queued_runs, max_running_runs or max_gpus, already runs a "
+        "profile (one at a time), or the service runs TUNEYARD_MAX_CONCURRENT_PROFILES."
     ),
     responses=error_responses(
         {
             400: _UNREADABLE_BODY,
             401: _UNAUTHORIZED,
             422: "The body is missing or not JSON (a body that breaks rules gets a report)",
+            429: "A profile was asked for, and the API key or the service has no room for one",
         }
     ),
     openapi_extra={
@@ -208,6 +215,7 @@ async def validate_run(
     principal: CurrentPrincipal,
     cluster: ClusterDep,
     jobs: JobsDep,
+    profile_slots: ProfileSlotsDep,
 ) -> ValidationReport:
     # Validation only reads, so it takes a read session, on a worker thread (it reads files),
     # and gives it back before a profile: a profile's minute on the cluster holds no
@@ -229,14 +237,16 @@ async def validate_run(
         validation = await anyio.to_thread.run_sync(runs.with_data_plan, validation, plan)
     if validation.profile is None or validation.spec is None:
         return validation.report
-    measured = await profiles.profile_request(
-        validation.spec,
-        steps=validation.profile.profile_steps,
-        total_steps=validation.total_steps,
-        settings=settings,
-        jobs=jobs,
-        disconnected=request.is_disconnected,
-    )
+    with profile_slots.hold(principal.id) as profile_id:
+        measured = await profiles.profile_request(
+            validation.spec,
+            steps=validation.profile.profile_steps,
+            total_steps=validation.total_steps,
+            settings=settings,
+            jobs=jobs,
+            disconnected=request.is_disconnected,
+            job_id=profile_id,
+        )
     return validation.report.model_copy(update={"profile": measured})
 
 

@@ -1,8 +1,11 @@
 """Response headers that keep a browser from misreading the API's answers (OWASP API8).
 
 Every answer is data for one client, often about one principal's runs: nothing may cache it,
-sniff it into another type, or frame it. JSON answers may not load anything either; the
-HTML of /docs keeps loading Swagger UI's assets.
+sniff it into another type, or frame it. JSON answers may not load anything either. The
+HTML pages (the dashboard, Swagger UI) load what they need from this service only, and run
+no inline script or style: a second line of defence, should text from a run ever reach a
+page as markup (they render it with `textContent`). ReDoc, which injects its styles, has a
+policy of its own (app/api/dashboard.py).
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ _ALWAYS = {
     "X-Frame-Options": "DENY",
 }
 _CSP_DATA = "default-src 'none'; frame-ancestors 'none'"
-_CSP_HTML = "frame-ancestors 'none'"
+# Scripts and styles are files in app/static; Swagger UI's stylesheet draws its icons as
+# data: images. No plugins, no <base> pointing elsewhere, no form posted elsewhere.
+CSP_PAGES = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'"
+)
 
 
 def security_headers(content_type: str | None) -> dict[str, str]:
     """The headers for an answer of this media type (for answers built outside the
     middleware, such as the 500 handler's)."""
     html = (content_type or "").startswith("text/html")
-    return {**_ALWAYS, "Content-Security-Policy": _CSP_HTML if html else _CSP_DATA}
+    return {**_ALWAYS, "Content-Security-Policy": CSP_PAGES if html else _CSP_DATA}
 
 
 class SecurityHeadersMiddleware:

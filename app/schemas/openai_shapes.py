@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from app.models import File
 from app.schemas.run_view import as_utc
+from contract.bounds import refuse_nul
 from contract.run_request import MetadataKey, MetadataValue
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -79,7 +80,11 @@ class JobCreate(BaseModel):
         default=None, description="OpenAI's older place for them; `method` wins."
     )
     method: OpenAIMethod | None = None
-    suffix: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = None
+    # Stored with the job: PostgreSQL's text holds no NUL.
+    suffix: (
+        Annotated[str, StringConstraints(min_length=1, max_length=64), AfterValidator(refuse_nul)]
+        | None
+    ) = None
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     integrations: list[dict[str, Any]] | None = None

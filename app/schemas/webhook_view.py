@@ -1,4 +1,5 @@
-"""A run's webhook deliveries as its owner reads them (GET /v1/runs/{id}/webhooks)."""
+"""A run's webhook deliveries as its owner reads them (GET /v1/runs/{id}/webhooks): those to
+its own webhooks; the service-wide subscribers' are the operator's."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ class WebhookDeliveryView(BaseModel):
     )
     attempts: int
     last_status_code: int | None = Field(description="The receiver's last HTTP status.")
-    last_error: str | None = Field(description="Why the last attempt failed, if it did.")
+    last_error: str | None = Field(
+        description="Why the last attempt failed, if it did, as a class only: `connection "
+        "failed`, `timed out`, `refused: address not allowed`, `HTTP <status>`, `delivery "
+        "failed`, `interrupted`."
+    )
     created_at: datetime
     delivered_at: datetime | None
     next_attempt_at: datetime | None = Field(description="When a pending delivery is tried next.")

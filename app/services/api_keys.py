@@ -1,8 +1,11 @@
 """API keys: created by an operator (`tuneyard keys create`), sent as a Bearer token, and
-revoked by one (`tuneyard keys revoke`)."""
+revoked by one (`tuneyard keys revoke`). Each has a webhook signing secret of its own
+(app/services/webhooks.py), shown when the key is made and when it is replaced
+(`tuneyard keys rotate-webhook-secret`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import NamedTuple, cast
@@ -18,18 +21,34 @@ from contract.bounds import INT32_MAX
 # A key's share of the cluster (app/services/queue.py and scheduling.py apply them); None
 # is no limit. `tuneyard keys create/update` set them.
 LIMITS = ("max_running_runs", "max_queued_runs", "max_gpus", "max_priority")
-# An update's value that lifts a limit.
+# What a key's runs may ask for beyond its share, set alike (None: the default rule, see
+# ApiKey): preemptible false (app/services/queue.py), and where they track
+# (app/services/tracking_rules.py).
+PERMISSIONS = ("allow_non_preemptible", "tracking_prefix", "wandb_entity")
+# A limit's or a permission's value.
+KeySetting = int | bool | str | None
+# An update's value that lifts a limit (or a permission's setting).
 UNLIMITED = "none"
+# A tracking prefix or W&B entity: a name both MLflow and W&B take as the start of theirs
+# (W&B's refuse / \ # ? % :), short enough to leave room after it.
+_TRACKING_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def limit_problems(limits: Mapping[str, int | None]) -> list[dict[str, str]]:
-    """What is wrong with these limits, each naming its limit; [] when nothing is."""
+def limit_problems(limits: Mapping[str, KeySetting]) -> list[dict[str, str]]:
+    """What is wrong with these limits and permissions, each naming its own; [] when
+    nothing is."""
     problems = []
     for name, value in limits.items():
-        if name not in LIMITS:
-            problems.append(field_problem(name, f"not a limit; the limits are {', '.join(LIMITS)}"))
+        if name not in LIMITS and name not in PERMISSIONS:
+            known = ", ".join((*LIMITS, *PERMISSIONS))
+            problems.append(field_problem(name, f"not a limit or a permission: they are {known}"))
         elif value is None:
             continue
+        elif name in PERMISSIONS:
+            if (problem := _permission_problem(name, value)) is not None:
+                problems.append(field_problem(name, problem))
+        elif not isinstance(value, int) or isinstance(value, bool):
+            problems.append(field_problem(name, f"must be a whole number, not {value!r}"))
         elif name == "max_priority" and not 0 <= value <= 100:
             problems.append(
                 field_problem(name, f"must be within 0..100, as a priority is; not {value}")
@@ -39,26 +58,47 @@ def limit_problems(limits: Mapping[str, int | None]) -> list[dict[str, str]]:
     return problems
 
 
-def _set_limits(key: ApiKey, limits: Mapping[str, int | None]) -> None:
+def _permission_problem(name: str, value: KeySetting) -> str | None:
+    if name == "allow_non_preemptible":
+        return None if isinstance(value, bool) else f"must be true or false, not {value!r}"
+    if not isinstance(value, str) or _TRACKING_NAME.fullmatch(value) is None:
+        return (
+            f"must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or a "
+            f"digit; not {value!r}"
+        )
+    return None
+
+
+def _set_limits(key: ApiKey, limits: Mapping[str, KeySetting]) -> None:
     if problems := limit_problems(limits):
         raise ValidationFailed(problems)
     for name, value in limits.items():
         setattr(key, name, value)
 
 
+def new_webhook_secret() -> str:
+    return new_secret("whsec")
+
+
 def create_api_key(
-    session: Session, *, name: str, limits: Mapping[str, int | None] | None = None
+    session: Session, *, name: str, limits: Mapping[str, KeySetting] | None = None
 ) -> tuple[ApiKey, str]:
-    """The stored key and its secret; the secret is not kept and cannot be shown again."""
+    """The stored key and its secret; the secret is not kept and cannot be shown again. The
+    key's webhook signing secret is (`key.webhook_secret`): it signs, so it is kept."""
     secret = new_secret("ty")
-    key = ApiKey(id=new_id("key"), name=name, key_hash=hash_secret(secret))
+    key = ApiKey(
+        id=new_id("key"),
+        name=name,
+        key_hash=hash_secret(secret),
+        webhook_secret=new_webhook_secret(),
+    )
     _set_limits(key, limits or {})
     session.add(key)
     session.flush()
     return key, secret
 
 
-def update_api_key(session: Session, *, ref: str, limits: Mapping[str, int | None]) -> ApiKey:
+def update_api_key(session: Session, *, ref: str, limits: Mapping[str, KeySetting]) -> ApiKey:
     """Change the limits named in `limits` (None lifts one) of the key with this id, or of
     the one live key with this name. Runs already queued or running stay; the scheduler
     applies the new limits from its next pass, in every replica."""
@@ -66,6 +106,16 @@ def update_api_key(session: Session, *, ref: str, limits: Mapping[str, int | Non
     _set_limits(key, limits)
     session.flush()
     return key
+
+
+def rotate_webhook_secret(session: Session, *, ref: str) -> tuple[ApiKey, str]:
+    """Replace the webhook signing secret of the key with this id, or of the one live key
+    with this name: the key and its new secret. Deliveries sent from now on, retries of
+    earlier ones included, are signed with it."""
+    key = _find_key(session, ref)
+    key.webhook_secret = new_webhook_secret()
+    session.flush()
+    return key, key.webhook_secret
 
 
 class LiveKey(NamedTuple):
@@ -141,16 +191,28 @@ def _database(database_url: str) -> Iterator[Session]:
         engine.dispose()
 
 
+class IssuedKey(NamedTuple):
+    secret: str  # the API key itself
+    webhook_secret: str  # signs the webhooks of its runs
+
+
 def issue_api_key(
-    database_url: str, *, name: str, limits: Mapping[str, int | None] | None = None
-) -> str:
-    """A new key's secret (`tuneyard keys create`, the demo)."""
+    database_url: str, *, name: str, limits: Mapping[str, KeySetting] | None = None
+) -> IssuedKey:
+    """A new key's secrets (`tuneyard keys create`, the demo)."""
     with _database(database_url) as session:
-        _, secret = create_api_key(session, name=name, limits=limits)
-    return secret
+        key, secret = create_api_key(session, name=name, limits=limits)
+        assert key.webhook_secret is not None
+        return IssuedKey(secret, key.webhook_secret)
 
 
-def update_api_key_in(database_url: str, *, ref: str, limits: Mapping[str, int | None]) -> ApiKey:
+def rotate_webhook_secret_in(database_url: str, *, ref: str) -> tuple[ApiKey, str]:
+    """`tuneyard keys rotate-webhook-secret`."""
+    with _database(database_url) as session:
+        return rotate_webhook_secret(session, ref=ref)
+
+
+def update_api_key_in(database_url: str, *, ref: str, limits: Mapping[str, KeySetting]) -> ApiKey:
     """`tuneyard keys update`."""
     with _database(database_url) as session:
         return update_api_key(session, ref=ref, limits=limits)

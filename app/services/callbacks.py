@@ -11,15 +11,17 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from app.errors import Conflict, Unauthorized
-from app.models import Checkpoint, Metric, Run
+from app.errors import Conflict, Unauthorized, ValidationFailed, field_problem
+from app.models import RUN_ID, Checkpoint, Metric, Run, is_minted
 from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
 from app.schemas.run_view import CheckpointView, nonfinite_kind, stored_metric_value
 from app.security import hash_secret, secret_matches
 from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
+from app.services.path_rules import run_location
 from app.services.webhooks import enqueue_webhooks
 from app.status import RunStatus
+from contract.storage import Storage
 
 _BAD_TOKEN = "invalid or expired run token"
 
@@ -30,7 +32,7 @@ _NO_TOKEN_HASH = hash_secret("tuneyard: no run token")
 
 def read_token_hash(session: Session, *, run_id: str) -> str | None:
     """The hash of the run's live token; None for an unknown or finished run."""
-    if "\x00" in run_id:  # no id holds one, and PostgreSQL would refuse the query
+    if not is_minted(RUN_ID, run_id):  # no run has it; PostgreSQL may refuse it (a NUL)
         return None
     return session.scalar(select(Run.callback_token_hash).where(Run.id == run_id))
 
@@ -118,7 +120,19 @@ def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
     return len(rows)
 
 
+def checked_location(storage: Storage, *, run_id: str, post: CheckpointPost) -> CheckpointPost:
+    """`post`, its path normalized, once that path is the run's own (under storage/<run id>/,
+    app/services/path_rules.py); else ValidationFailed naming `path`. Blocking: a local
+    path's links are followed. A run's model download and a later `model: <run id>` read
+    what is recorded here, so nothing outside the run's folder may be."""
+    location, message = run_location(storage, run_id, post.path)
+    if location is None:
+        raise ValidationFailed([field_problem("path", f"the {post.kind} location {message}")])
+    return post.model_copy(update={"path": location})
+
+
 def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkpoint:
+    """Records a checkpoint or export whose location `checked_location` accepted."""
     existing = session.scalar(
         select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.path == post.path)
     )

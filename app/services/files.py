@@ -34,7 +34,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed, field_problem
-from app.models import File, Run, new_id
+from app.models import FILE_ID, File, Run, is_minted, new_id
 from app.services.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
 from app.status import TERMINAL_STATUSES
 from contract.datasets import FILE_FORMATS, Purpose, file_format
@@ -188,9 +188,20 @@ def discard_upload(upload: ReceivedUpload) -> None:
     upload.partial.unlink(missing_ok=True)
 
 
-def get_file(session: Session, *, file_id: str, owner_id: str, for_update: bool = False) -> File:
+def find_file(
+    session: Session, *, file_id: str, owner_id: str, for_update: bool = False
+) -> File | None:
+    """The owner's file with this id; None if there is none, or it is another's. An id no
+    file can have is not looked up (app/models.py `is_minted`)."""
+    if not is_minted(FILE_ID, file_id):
+        return None
     upload = session.get(File, file_id, with_for_update=for_update)
-    if upload is None or upload.owner_id != owner_id:
+    return upload if upload is not None and upload.owner_id == owner_id else None
+
+
+def get_file(session: Session, *, file_id: str, owner_id: str, for_update: bool = False) -> File:
+    upload = find_file(session, file_id=file_id, owner_id=owner_id, for_update=for_update)
+    if upload is None:
         raise NotFound(f"file {file_id} not found")
     return upload
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from app.errors import Conflict, NotFound
 from app.models import Run
+from app.services.path_rules import run_location
 from contract.storage import Storage, StorageError, StoredFile
 
 _BLOCK = tarfile.BLOCKSIZE
@@ -32,6 +33,12 @@ def model_files(run: Run, storage: Storage) -> tuple[str, list[StoredFile]]:
         raise Conflict(
             f"run {run.id}'s model is at {location!r}, outside this service's storage "
             "(TUNEYARD_STORAGE_PATH changed since?): read it from there"
+        )
+    if run_location(storage, run.id, location)[0] is None:
+        # Recorded before the callback refused such paths (app/services/callbacks.py).
+        raise Conflict(
+            f"run {run.id}'s model is recorded at {location!r}, outside the run's own folder "
+            "in storage: it is not served"
         )
     files = storage.files(location)  # a StorageError is answered 503 (error_handlers.py)
     if not files:

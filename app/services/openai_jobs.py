@@ -28,7 +28,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound, ValidationFailed, field_problem, problems_from_pydantic
-from app.models import Checkpoint, Event, File, Metric, Run
+from app.models import Checkpoint, Event, Metric, Run
 from app.schemas.openai_shapes import (
     CheckpointMetrics,
     Job,
@@ -40,7 +40,7 @@ from app.schemas.openai_shapes import (
     OpenAIHyperparameters,
 )
 from app.schemas.run_view import RunView, as_utc
-from app.services import runs
+from app.services import files, runs
 from app.services.placement import ClusterView
 from app.status import RunStatus
 from contract.run_request import RunDefinition, RunRequest
@@ -143,8 +143,8 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
             field_problem("integrations", "tuneyard has no integrations; leave integrations out")
         )
     method, hyper = _method_and_hyperparameters(job, problems)
-    upload = session.get(File, job.training_file)
-    if upload is None or upload.owner_id != owner_id:
+    upload = files.find_file(session, file_id=job.training_file, owner_id=owner_id)
+    if upload is None:
         problems.append(field_problem("training_file", f"no uploaded file {job.training_file!r}"))
     groups = {k: dict(v) if isinstance(v, dict) else v for k, v in ext.items()}
     dataset = {

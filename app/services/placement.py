@@ -25,6 +25,11 @@ log = logging.getLogger("tuneyard")
 
 # Nodes come and go rarely; validating a burst of requests reads them once.
 CLUSTER_VIEW_TTL_S = 5.0
+# A service's first seconds: a request waits this long at most for the cluster's nodes to
+# be known (Ray answering, its head's node registered), read again every FIRST_READ_POLL_S,
+# rather than accept unjudged a run the cluster may never hold (a GPU run on CPU nodes).
+FIRST_READ_WAIT_S = 5.0
+FIRST_READ_POLL_S = 0.25
 
 Problem = dict[str, str]
 
@@ -44,9 +49,11 @@ class ClusterView:
     """The cluster's nodes as validation sees them: None when they must not be judged (the
     cluster autoscales) or are not known (Ray cannot be read, or has no node yet).
 
-    Requests never wait on Ray, except the first one: `POST /v1/runs` holds the database's
-    write lock while it validates, so a stale view is answered at once and read again in
-    the background, at most every `ttl_s`."""
+    Requests never wait on Ray, except in the view's first `first_read_wait_s`: until the
+    nodes are known then, a request waits for them (read again and again, an answer without
+    nodes counting for nothing), so that a run posted just after start-up is judged like
+    any other. After that a stale or unknown view is answered at once and read again in the
+    background, at most every `ttl_s`."""
 
     def __init__(
         self,
@@ -54,14 +61,15 @@ class ClusterView:
         *,
         autoscales: bool,
         ttl_s: float = CLUSTER_VIEW_TTL_S,
-        first_read_wait_s: float = 10.0,
+        first_read_wait_s: float = FIRST_READ_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read_nodes = read_nodes
         self.autoscales = autoscales
         self._ttl_s = ttl_s
-        self._first_read_wait_s = first_read_wait_s
         self._clock = clock
+        # Real time, whatever `clock` (the TTL's) says: requests wait on it.
+        self._starting_until = time.monotonic() + first_read_wait_s
         self._lock = threading.Lock()
         self._nodes: list[dict[str, float]] | None = None
         self._read_at: float | None = None
@@ -82,13 +90,27 @@ class ClusterView:
             return self._reading
 
     def nodes(self) -> list[dict[str, float]] | None:
+        if self.autoscales:
+            return None
         reading = self.refresh()
-        if reading is not None and self._read_at is None:
-            reading.join(self._first_read_wait_s)  # nothing known yet: wait for the first read
+        while self._nodes is None and (left := self._starting_until - time.monotonic()) > 0:
+            # Nothing known yet, in the view's first seconds: wait for a read that knows.
+            if reading is not None:
+                reading.join(left)
+            else:
+                time.sleep(min(FIRST_READ_POLL_S, left))
+            reading = self.refresh()
         return self._nodes
+
+    def _starting(self) -> bool:
+        return time.monotonic() < self._starting_until
 
     def _read_in_background(self) -> None:
         nodes, settled = self._read()
+        if nodes is None and self._starting():
+            # Not known yet, and requests wait for it: read again soon, not after the TTL.
+            settled = False
+            time.sleep(FIRST_READ_POLL_S)
         with self._lock:
             self._nodes, self._reading = nodes, None
             # A cluster still starting is asked again at once, not after the TTL: the

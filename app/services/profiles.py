@@ -10,6 +10,12 @@ driver writes why it failed there. The service waits for the job without holding
 cluster as it was: the JSON, Ray Train's folder for the profile and Ray's record of the job
 are deleted. A profile that runs past TUNEYARD_PROFILE_TIMEOUT_S, or whose client went
 away, is stopped first. Nothing is stored in the database.
+
+A profile holds the cluster as a run would, without waiting in the queue, so it is counted:
+the key's limits hold for it (app/services/queue.py `check_profile`), each key runs one at
+a time and a process TUNEYARD_MAX_CONCURRENT_PROFILES in all (`ProfileSlots`). What a
+service that stopped mid-profile (a crash) left, `ProfileReaper` stops and deletes: at
+start-up, and every few minutes after.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import socket
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,8 +35,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from app.background import TickLoop
 from app.dispatch import job_runtime_env
-from app.ray_jobs import JobState, RayJobs, RayRejected, RayUnavailable, redact
+from app.errors import TooManyRequests
+from app.ray_jobs import JobRecord, JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.schemas.profile import ProfileError, ProfileView, WorkerProfile, warmup_steps
 from app.settings import Settings
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, PROFILE_ENV
@@ -47,6 +58,12 @@ LOG_TAIL_LINES = 20
 # Ray's job manager looks at a job's supervisor this often (see `_forget`).
 RAY_MONITOR_PERIOD_S = 1.0
 FORGET_WAIT_S = 15.0
+# How often the reaper looks for what services that stopped mid-profile left.
+REAP_INTERVAL_S = 300.0
+# A profile job's Ray metadata: the storage root of the service that submitted it (which
+# service's it is) and that service process's name (`instance_name`).
+STORAGE_KEY = "tuneyard_profile_storage"
+INSTANCE_KEY = "tuneyard_profile_instance"
 
 
 def new_profile_id() -> str:
@@ -60,6 +77,55 @@ class ProfileJob:
     result: str  # the storage location of the JSON the job writes
 
 
+def instance_name(settings: Settings) -> str:
+    """This service process as its profile jobs name it: its host and port. The same service
+    started again (after a crash) has the same name, so it knows the jobs its last run left;
+    another replica, on another host or port, has another."""
+    return f"{socket.gethostname()}:{settings.port}"
+
+
+def job_metadata(settings: Settings) -> dict[str, str]:
+    return {STORAGE_KEY: settings.storage.root, INSTANCE_KEY: instance_name(settings)}
+
+
+class ProfileSlots:
+    """The profiles this process runs: one at a time per API key, `total` in all. Another
+    profile is refused (429) rather than queued: the request would wait minutes holding its
+    connection, and the client may ask again."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._lock = threading.Lock()
+        self._owners: dict[str, str] = {}  # profile id -> its key
+
+    @contextmanager
+    def hold(self, owner_id: str) -> Iterator[str]:
+        """A slot for `owner_id`'s profile while the block runs: the profile's id."""
+        with self._lock:
+            if owner_id in self._owners.values():
+                raise TooManyRequests(
+                    "this API key has a profile running already, and a key runs one at a "
+                    "time: profile again once it has answered"
+                )
+            if len(self._owners) >= self.total:
+                raise TooManyRequests(
+                    f"this service runs {len(self._owners)} profiles already, its most at "
+                    "once (TUNEYARD_MAX_CONCURRENT_PROFILES): profile again once one has "
+                    "answered"
+                )
+            profile_id = new_profile_id()
+            self._owners[profile_id] = owner_id
+        try:
+            yield profile_id
+        finally:
+            with self._lock:
+                del self._owners[profile_id]
+
+    def running(self) -> set[str]:
+        with self._lock:
+            return set(self._owners)
+
+
 async def profile_request(
     spec_fields: dict[str, Any],
     *,
@@ -68,20 +134,26 @@ async def profile_request(
     settings: Settings,
     jobs: RayJobs | None,
     disconnected: Callable[[], Awaitable[bool]],
+    job_id: str | None = None,
 ) -> ProfileView:
     """Measure `spec_fields` (a checked request's spec) on the cluster: `steps` steps.
-    `disconnected` tells whether the client is gone, which stops the profile."""
+    `disconnected` tells whether the client is gone, which stops the profile. `job_id`: the
+    profile's id, as `ProfileSlots.hold` gave it (None: a new one)."""
     shown = ProfileView(steps=steps, warmup_steps=warmup_steps(steps), total_steps=total_steps)
     resources = ResourcesSpec.model_validate(spec_fields["resources"])
     if jobs is None:
         return _failed(shown, "ray_unavailable", "this service is not attached to a Ray cluster")
-    job_id = new_profile_id()
-    job = ProfileJob(id=job_id, result=settings.storage.join(PROFILES_DIRNAME, f"{job_id}.json"))
+    job_id = job_id or new_profile_id()
+    job = ProfileJob(id=job_id, result=result_location(settings.storage, job_id))
     runtime_env = profile_runtime_env(spec_fields, job=job, steps=steps, settings=settings)
     try:
         await anyio.to_thread.run_sync(
             partial(
-                jobs.submit, submission_id=job.id, entrypoint=ENTRYPOINT, runtime_env=runtime_env
+                jobs.submit,
+                submission_id=job.id,
+                entrypoint=ENTRYPOINT,
+                runtime_env=runtime_env,
+                metadata=job_metadata(settings),
             )
         )
     except (RayUnavailable, RayRejected) as exc:
@@ -110,6 +182,10 @@ async def profile_request(
     return measured_view(
         document, shown=shown, total_steps=total_steps, resources=resources, settings=settings
     )
+
+
+def result_location(storage: Storage, job_id: str) -> str:
+    return storage.join(PROFILES_DIRNAME, f"{job_id}.json")
 
 
 def profile_runtime_env(
@@ -165,11 +241,7 @@ def _finish(
     failure = None
     if document is None and state is not None and state.status != "SUCCEEDED":
         failure = _failure_message(jobs, job.id, state)
-    for location in (job.result, storage.join(job.id)):
-        try:
-            storage.delete(location)
-        except StorageError as exc:
-            log.warning("profile %s: could not delete %s: %s", job.id, location, exc)
+    _delete_files(storage, job.id)
     if state is not None and state.status in TERMINAL_JOB_STATES:
         try:
             _forget(jobs, job.id)
@@ -236,6 +308,102 @@ def _failure_message(jobs: RayJobs, job_id: str, state: JobState) -> str:
 
 def _failed(shown: ProfileView, code: str, message: str) -> ProfileView:
     return shown.model_copy(update={"error": ProfileError(code=code, message=message)})
+
+
+# --- what a service that stopped mid-profile left ------------------------------------------
+
+
+class ProfileReaper(TickLoop):
+    """Stops the profile jobs no service waits for any more and deletes them and their files,
+    and deletes profile files whose job Ray no longer knows: what a service that stopped
+    mid-profile (a crash, a kill) left. At start-up, then every REAP_INTERVAL_S.
+
+    A profile job is this service's when its metadata names this service's storage. No
+    service waits for it when a process of this one's name (`instance_name`: this service
+    before it was started again) submitted it before this process started, or when it was
+    submitted longer ago than any service waits for one (TUNEYARD_PROFILE_TIMEOUT_S, then
+    its stop and clean-up). Another replica's profiles under way are left alone, and so are
+    this process's own (`slots`)."""
+
+    name = "tuneyard-profile-reaper"
+
+    def __init__(self, *, settings: Settings, jobs: RayJobs, slots: ProfileSlots) -> None:
+        super().__init__(interval_s=REAP_INTERVAL_S)
+        self.settings = settings
+        self.jobs = jobs
+        self.slots = slots
+        self.instance = instance_name(settings)
+        self.started_at = time.time()
+
+    def tick(self) -> list[str]:
+        """Reap once: the ids of the profiles whose jobs or files went."""
+        # Storage first: a file listed then was written by a job Ray had a record of then,
+        # which the list below shows unless the job's service is done with it.
+        stored = self._stored_ids()
+        try:
+            records = [r for r in self.jobs.list_jobs() if r.submission_id.startswith("profile-")]
+        except RayUnavailable as exc:
+            log.warning("profiles not reaped: %s", exc)
+            return []
+        running = self.slots.running()
+        reaped = []
+        for record in records:
+            if record.submission_id not in running and self._orphaned(record):
+                self._reap(record)
+                reaped.append(record.submission_id)
+        known = {r.submission_id for r in records} | running
+        for profile_id in sorted(stored - known):
+            log.info("profile %s: deleting what its job left in storage", profile_id)
+            _delete_files(self.settings.storage, profile_id)
+            reaped.append(profile_id)
+        return reaped
+
+    def _orphaned(self, record: JobRecord) -> bool:
+        if record.metadata.get(STORAGE_KEY) != self.settings.storage.root:
+            return False  # another service's, or not a tuneyard profile
+        if record.submitted_at is None:
+            return False
+        if (
+            record.metadata.get(INSTANCE_KEY) == self.instance
+            and record.submitted_at < self.started_at
+        ):
+            return True
+        waited_at_most = self.settings.profile_timeout_s + STOP_WAIT_S + FORGET_WAIT_S
+        return time.time() - record.submitted_at > waited_at_most
+
+    def _reap(self, record: JobRecord) -> None:
+        job_id = record.submission_id
+        log.warning("profile %s: no service waits for it any more; stopping it", job_id)
+        state: JobState | None = JobState(record.status, "")
+        try:
+            if record.status not in TERMINAL_JOB_STATES:
+                state = _stop(self.jobs, job_id)
+            if state is not None and state.status in TERMINAL_JOB_STATES:
+                _forget(self.jobs, job_id)  # else the next pass, once it has stopped
+        except RayUnavailable as exc:
+            log.warning("profile %s: %s", job_id, exc)
+        _delete_files(self.settings.storage, job_id)
+
+    def _stored_ids(self) -> set[str]:
+        """The profiles that have a result or a Ray Train folder in storage."""
+        storage = self.settings.storage
+        try:
+            results = storage.files(storage.join(PROFILES_DIRNAME))
+            folders = storage.folders(storage.root)
+        except StorageError as exc:
+            log.warning("profile files not reaped: %s", exc)
+            return set()
+        ids = {f.name.removesuffix(".json") for f in results if "/" not in f.name}
+        ids |= set(folders)
+        return {i for i in ids if i.startswith("profile-")}
+
+
+def _delete_files(storage: Storage, job_id: str) -> None:
+    for location in (result_location(storage, job_id), storage.join(job_id)):
+        try:
+            storage.delete(location)
+        except StorageError as exc:
+            log.warning("profile %s: could not delete %s: %s", job_id, location, exc)
 
 
 # --- what the numbers mean for the whole run ---------------------------------------------

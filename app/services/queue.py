@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -47,6 +48,15 @@ SCHEDULER_LOCK = 0x7475_6E65  # "tune"
 ASSUMED_PENDING = timedelta(seconds=30)
 
 
+@dataclass(frozen=True, slots=True)
+class NeverFits:
+    """A queued run the cluster's nodes can never hold: why, and whether it fails now (else
+    it waits, out of the scheduler's way, for a node that can hold it, saying `why`)."""
+
+    why: str
+    fail: bool
+
+
 def schedule(
     session: Session,
     *,
@@ -54,14 +64,16 @@ def schedule(
     free_nodes: list[dict[str, float]] | None,
     now: datetime,
     free_reported: bool = True,
-    never_fits: Callable[[str, dict[str, Any]], str | None] | None = None,
+    never_fits: Callable[[str, dict[str, Any]], NeverFits | None] | None = None,
 ) -> list[tuple[str, datetime]]:
     """One scheduling pass in the caller's transaction: the runs to claim (id, queued_at),
     with every waiting run's reason written and the preemptions requested. The caller
     claims the runs in this same transaction, before the lock is let go. `never_fits(id,
-    spec)`: why the cluster can never hold a queued run, which then fails, or None.
-    `free_reported`: whether `free_nodes` is Ray's report of what is free (else the nodes'
-    totals, from which every live run's share is taken here)."""
+    spec)`: whether the cluster can never hold a queued run (None: it may). Such a run
+    fails, or waits with that reason; either way it is not scheduled, so that it neither
+    holds back runs of lower priority nor preempts any. `free_reported`: whether
+    `free_nodes` is Ray's report of what is free (else the nodes' totals, from which every
+    live run's share is taken here)."""
     _lock(session)
     live_rows = list(
         session.execute(
@@ -105,16 +117,28 @@ def schedule(
             ).where(Run.status == RunStatus.QUEUED)
         )
     )
+    # Runs the cluster's nodes can never hold (validation would refuse them now), and the
+    # reasons of those that wait still.
+    unplaceable: dict[str, str | None] = {}
     if never_fits is not None:
-        # Runs the cluster's nodes can no longer ever hold (validation would refuse them).
         for row in list(queued_rows):
-            why = never_fits(row.id, row.spec)
-            if why is None:
+            verdict = never_fits(row.id, row.spec)
+            if verdict is None:
+                continue
+            queued_rows.remove(row)
+            if not verdict.fail:
+                if (reason := _reason(row, verdict.why)) != row.queue_reason:
+                    unplaceable[row.id] = reason
                 continue
             doomed = session.get(Run, row.id, with_for_update=True)
             if doomed is not None and doomed.run_status == RunStatus.QUEUED:
-                lifecycle.fail_unplaceable(session, doomed, message=why)
-            queued_rows.remove(row)
+                lifecycle.fail_unplaceable(session, doomed, message=verdict.why)
+    if unplaceable:
+        session.execute(
+            update(Run),
+            [{"id": run_id, "queue_reason": reason} for run_id, reason in unplaceable.items()],
+            execution_options={"synchronize_session": False},
+        )
     if not queued_rows:
         return []
     queued = [
@@ -251,11 +275,18 @@ def queue_positions(db: Session | Connection, runs: Sequence[RunFields]) -> dict
 
 
 def check_submission(
-    session: Session, *, owner_id: str, priority: int | None, gpus: int, queuing: bool = True
+    session: Session,
+    *,
+    owner_id: str,
+    priority: int | None,
+    gpus: int,
+    preemptible: bool = True,
+    queuing: bool = True,
 ) -> int:
-    """Refuse what the caller's API key may not ask: a priority above its max_priority or
-    more GPUs than its max_gpus (422: it would never start), or one more queued run than
-    max_queued_runs (429: it may try again once some have started). The key's row is locked
+    """Refuse what the caller's API key may not ask: a priority above its max_priority,
+    more GPUs than its max_gpus, a non-preemptible run it is not allowed (422: it would
+    never start), or one more queued run than max_queued_runs (429: it may try again once
+    some have started). The key's row is locked
     for the caller's transaction, so concurrent submissions, on any replica, count each
     other. A caller without a key (auth disabled) has no limits.
 
@@ -290,6 +321,8 @@ def check_submission(
                 f"({key.max_gpus}) allows at once: it could never start",
             )
         )
+    if not preemptible and not allows_non_preemptible(key):
+        problems.append(field_problem("preemptible", _non_preemptible_refusal(key)))
     if problems:
         raise ValidationFailed(problems)
     if queuing and key.max_queued_runs is not None:
@@ -305,6 +338,66 @@ def check_submission(
                 f"{key.max_queued_runs}: wait until some start, or cancel some"
             )
     return priority
+
+
+def check_profile(session: Session, *, owner_id: str, gpus: int) -> None:
+    """Refuse a profile (`POST /v1/runs/validate` with `profile: true`) that the caller's API
+    key has no room for. A profile is a run-sized Ray job that starts at once, past the
+    queue, so it passes the door a create passes (max_queued_runs) and the one the scheduler
+    starts runs through (max_running_runs and max_gpus, with the key's live runs counted).
+    429, as a create past max_queued_runs is: it may be asked again once runs have moved
+    on. How many profiles run at once is app/services/profiles.py's `ProfileSlots`."""
+    key = session.get(ApiKey, owner_id)
+    if key is None:
+        return
+    queued = live = live_gpus = 0
+    for status, runs, held in session.execute(
+        select(Run.status, func.count(), func.coalesce(func.sum(Run.gpus), 0))
+        .where(Run.owner_id == owner_id, Run.status.in_((RunStatus.QUEUED, *LIVE)))
+        .group_by(Run.status)
+    ):
+        if status == RunStatus.QUEUED:
+            queued += int(runs)
+        else:
+            live, live_gpus = live + int(runs), live_gpus + int(held)
+    rule = "a profile runs on the cluster as a run does, and this API key"
+    if key.max_queued_runs is not None and queued >= key.max_queued_runs:
+        raise TooManyRequests(
+            f"{rule} has {queued} runs queued, its max_queued_runs is {key.max_queued_runs}: "
+            "profile once some have started, or cancel some"
+        )
+    if key.max_running_runs is not None and live >= key.max_running_runs:
+        raise TooManyRequests(
+            f"{rule} has {live} runs live, its max_running_runs is {key.max_running_runs}: "
+            "profile once one has ended"
+        )
+    if key.max_gpus is not None and live_gpus + gpus > key.max_gpus:
+        raise TooManyRequests(
+            f"{rule} has {live_gpus} of its max_gpus ({key.max_gpus}) in use by live runs; the "
+            f"profile needs {gpus} more: profile once some are free"
+        )
+
+
+def allows_non_preemptible(key: ApiKey) -> bool:
+    """Whether the key's runs may set `preemptible: false`: as its operator said
+    (allow_non_preemptible), or else unless max_priority caps the key. A capped key's run
+    that no higher priority can take back would hold its resources past the cap's intent."""
+    if key.allow_non_preemptible is not None:
+        return key.allow_non_preemptible
+    return key.max_priority is None
+
+
+def _non_preemptible_refusal(key: ApiKey) -> str:
+    why = (
+        "allow_non_preemptible is off for this API key"
+        if key.allow_non_preemptible is False
+        else f"this API key is capped by max_priority ({key.max_priority}), and a capped key "
+        "may not hold resources that no higher priority can take back"
+    )
+    return (
+        f"preemptible false is not allowed: {why}; leave preemptible true, or ask an operator "
+        "to allow it (tuneyard keys update --allow-non-preemptible)"
+    )
 
 
 def asked_gpus(spec: dict[str, Any]) -> int:

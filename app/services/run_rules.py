@@ -9,7 +9,6 @@ field it is about and says the rule in words a user can act on.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.errors import field_problem
 from app.models import RUN_ID, Checkpoint, File, Run
+from app.services import files
 from app.services.adapter_sizes import adapter_parameters, linear_weights
 from app.services.evaluation_rules import evaluation_problems
 from app.services.file_checks import check_file, checks_for
@@ -28,9 +28,9 @@ from app.services.model_files import (
     safetensors_headers,
     trainable_model_types,
 )
-from app.services.tracking_rules import tracking_problems
+from app.services.path_rules import allowed_local_path
+from app.services.tracking_rules import key_tracking_problems, tracking_problems
 from app.services.webhook_rules import webhook_problems
-from app.settings import SourceRoots
 from contract.datasets import (
     FILE_FORMATS,
     fields_read_by,
@@ -44,10 +44,6 @@ from contract.run_request import RunDefinition, RunRequest
 from contract.seq_length import max_positions_of, seq_length_cap
 from contract.steps import StepPlan, examples_used
 from contract.storage import Storage, StorageError, is_uri
-
-# A local folder source is walked to check every file in it; one bigger than this is
-# refused rather than walked for minutes inside a request.
-MAX_FOLDER_ENTRIES = 10_000
 
 Problem = dict[str, str]
 
@@ -98,7 +94,7 @@ def check_run_request(
     session: Session, request: RunRequest, *, owner_id: str, allowed_roots: Sequence[Path]
 ) -> CheckedRequest:
     """`allowed_roots`: where local sources may be; a `SourceRoots` also names the folders
-    inside them that are refused (the service's uploads)."""
+    inside them that are refused (the service's own: app/services/path_rules.py)."""
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
     if is_run_id(request.model):
         _check_model_from_run(session, request, checked, owner_id=owner_id)
@@ -107,6 +103,9 @@ def check_run_request(
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
     checked.problems.extend(webhook_problems(session, request))
     checked.problems.extend(tracking_problems(session, request))
+    checked.problems.extend(
+        key_tracking_problems(session, request, owner_id=owner_id, spec=checked.spec)
+    )
     examples = _examples_of_records(request, checked.dataset_records)
     if not checked.problems and examples is not None:
         checked.plan_examples(request, examples)
@@ -272,7 +271,7 @@ def _check_model(request: RunRequest, checked: CheckedRequest, roots: Sequence[P
     value = request.model
     if not is_local_source(value):
         return  # a hub id (the schema checked its shape): the cluster resolves it
-    path, message = _allowed_local_path(value, roots)
+    path, message = allowed_local_path(value, roots)
     if message:
         checked.problems.append(field_problem("model", message))
         return
@@ -431,7 +430,7 @@ def _check_source(
         return
     if not is_local_source(source):
         return  # a hub id (the schema checked its shape): the cluster resolves it
-    path, message = _allowed_local_path(source, allowed_roots)
+    path, message = allowed_local_path(source, allowed_roots)
     if message is None and path is not None and path.is_file() and file_format(path) is None:
         message = f"dataset file {path.name!r} must be one of {', '.join(sorted(FILE_FORMATS))}"
     if message:
@@ -463,8 +462,7 @@ def _owned_upload(
     session: Session, file_id: str, *, owner_id: str, lock: bool = False
 ) -> File | None:
     """The caller's uploaded file with this id; None if there is none, or it is another's."""
-    upload = session.get(File, file_id, with_for_update=lock)
-    return upload if upload is not None and upload.owner_id == owner_id else None
+    return files.find_file(session, file_id=file_id, owner_id=owner_id, for_update=lock)
 
 
 def _no_upload(name: str, file_id: str) -> Problem:
@@ -503,96 +501,3 @@ def sampled_record_problems(
     if more:
         problems.append(field_problem(field, f"{path.name}: ... and {more} more"))
     return problems
-
-
-def _allowed_local_path(value: str, roots: Sequence[Path]) -> tuple[Path | None, str | None]:
-    """The source's real path (every link followed) and None; or None and why not.
-
-    A path is refused as outside the roots before the file system is asked whether it
-    exists, so the answer never says what lies outside them; only a path inside the roots
-    can get "does not exist". A folder is walked: no file in it may lead outside either."""
-    refused = roots.refused if isinstance(roots, SourceRoots) else ()
-    listed = ", ".join(str(r) for r in roots)
-    shown = _shown(value)
-    outside = (
-        f"local path {shown} is outside the allowed roots ({listed}); see TUNEYARD_ALLOWED_ROOTS"
-    )
-    uploads = (
-        f"local path {shown} is in the service's uploads folder, which is not allowed: an "
-        "uploaded file is used through its id (dataset.source 'file_...'), by its owner only"
-    )
-
-    def refusal(path: Path) -> str | None:
-        if not _inside(path, roots):
-            return outside
-        return uploads if _inside(path, refused) else None
-
-    # First as written, '..' applied without asking the file system anything about it...
-    written = Path(os.path.normpath(Path(value).absolute()))
-    if message := refusal(written):
-        return None, message
-    # ...then with every link followed (non-strict: no error for a missing part), so that
-    # no link inside a root leads out of it, nor into the uploads.
-    real = Path(os.path.realpath(written))
-    if message := refusal(real):
-        return None, message
-    try:
-        if not real.exists():
-            return None, f"local path {shown} does not exist"
-        if real.is_dir():
-            if message := _folder_problem(real, roots, refused):
-                return None, f"local path {shown}: {message}"
-        elif not real.is_file():
-            return None, f"local path {shown} is neither a file nor a folder"
-    except (OSError, RuntimeError) as exc:
-        # ENAMETOOLONG, ELOOP, EACCES...: the user's to fix, never a server error.
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return None, f"local path {shown} cannot be read: {reason}"
-    return real, None
-
-
-def _folder_problem(folder: Path, roots: Sequence[Path], refused: Sequence[Path]) -> str | None:
-    """Why a folder source may not be read (an entry leads outside the roots or into the
-    uploads, or there are too many to check), or None. `folder` is a real path. Links are
-    followed, each real folder walked once, so a link cycle ends the walk instead of looping.
-    """
-    seen = {folder}
-    pending = [(folder, folder)]  # (a folder as reached, its real path)
-    entries = 0
-    while pending:
-        current, current_real = pending.pop()
-        with os.scandir(current) as listing:
-            for entry in listing:
-                entries += 1
-                if entries > MAX_FOLDER_ENTRIES:
-                    return f"the folder holds more than {MAX_FOLDER_ENTRIES} files and folders"
-                if entry.is_symlink():
-                    real = Path(os.path.realpath(entry.path))
-                    is_dir = real.is_dir()
-                else:
-                    # Not a link, in a folder whose real path is known: that is its real
-                    # path too. Only links cost a walk of the path (a model folder's files
-                    # are checked on every validate and create).
-                    real = current_real / entry.name
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                if not _inside(real, roots):
-                    return f"{_entry_name(entry, folder)} in it leads outside the allowed roots"
-                if _inside(real, refused):
-                    where = "the service's uploads folder"
-                    return f"{_entry_name(entry, folder)} in it leads into {where}"
-                if is_dir and real not in seen:
-                    seen.add(real)
-                    pending.append((Path(entry.path), real))
-    return None
-
-
-def _entry_name(entry: os.DirEntry[str], folder: Path) -> str:
-    return _shown(os.path.relpath(entry.path, folder))
-
-
-def _inside(path: Path, folders: Sequence[Path]) -> bool:
-    return any(path.is_relative_to(folder) for folder in folders)
-
-
-def _shown(value: str, limit: int = 200) -> str:
-    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."

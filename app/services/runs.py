@@ -36,7 +36,7 @@ from app.errors import (
     field_problem,
     problems_from_pydantic,
 )
-from app.models import ApiKey, Run, new_id
+from app.models import RUN_ID, ApiKey, Run, is_minted, new_id
 from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
 from app.security import hash_secret
@@ -44,6 +44,7 @@ from app.services import data_plan, estimates, lifecycle, queue
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.services.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
+from app.services.tracking_rules import key_tracking_problems
 from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
 from contract.storage import Storage
@@ -114,7 +115,11 @@ def store_run(session: Session, new: NewRun) -> tuple[Run, bool]:
     spec = new.checked.spec
     gpus = queue.asked_gpus(spec)
     priority = queue.check_submission(
-        session, owner_id=new.owner_id, priority=_asked_priority(new.request), gpus=gpus
+        session,
+        owner_id=new.owner_id,
+        priority=_asked_priority(new.request),
+        gpus=gpus,
+        preemptible=new.request.preemptible,
     )
     run = Run(
         id=new_id("run"),
@@ -194,12 +199,16 @@ def validate_run_request(
                 owner_id=owner_id,
                 priority=_asked_priority(request),
                 gpus=queue.asked_gpus(checked.spec),
+                preemptible=request.preemptible,
                 queuing=False,
             )
         except ValidationFailed as exc:
             checked.problems.extend(exc.detail)
     if checked.problems:
         return _refused(checked.problems)
+    if asked.profile:
+        # A profile is a run on the cluster now: the key's limits hold for it too (429).
+        queue.check_profile(session, owner_id=owner_id, gpus=queue.asked_gpus(checked.spec))
     if data_plan.needed(checked.spec):
         pending = ValidationReport(valid=True, errors=[], resolved=None, estimate=None)
         return RequestValidation(pending, checked=checked, asked=asked)
@@ -268,7 +277,9 @@ def _find_idempotent(session: Session, owner_id: str, key: str, request_hash: st
 
 
 def get_run(session: Session, *, run_id: str, owner_id: str, for_update: bool = False) -> Run:
-    run = session.get(Run, run_id, with_for_update=for_update)
+    run = None
+    if is_minted(RUN_ID, run_id):  # an id no run can have is not looked up
+        run = session.get(Run, run_id, with_for_update=for_update)
     # Another principal's run is indistinguishable from a missing one.
     if run is None or run.owner_id != owner_id:
         raise NotFound(f"run {run_id} not found")
@@ -286,6 +297,8 @@ def read_run(db: Session | Connection, *, run_id: str, owner_id: str) -> RunFiel
     """`get_run` for a caller that only reads: the run's columns as a row, which `RunView.of`
     and `queue_position` take as they take a `Run`. Status polling is the service's busiest
     request, and loading an ORM object costs more than the query itself."""
+    if not is_minted(RUN_ID, run_id):
+        raise NotFound(f"run {run_id} not found")
     connection = db.connection() if isinstance(db, Session) else db
     row = connection.execute(_READ_RUN, {"run_id": run_id}).one_or_none()
     if row is None or row.owner_id != owner_id:
@@ -306,7 +319,12 @@ def read_run_with_key(connection: Connection, *, run_id: str, secret: str) -> Ru
     """`read_run` for the holder of the API key `secret`, checked in the same statement:
     None when the key is not a live one; NotFound when the run is not its own."""
     params = {"run_id": run_id, "key_hash": hash_secret(secret)}
-    row = connection.execute(_READ_RUN_WITH_KEY, params).one_or_none()
+    # An id no run can have is not looked up; the key is, so that a bad key is still a 401.
+    row = (
+        connection.execute(_READ_RUN_WITH_KEY, params).one_or_none()
+        if is_minted(RUN_ID, run_id)
+        else None
+    )
     if row is not None:
         fields: RunFields = row
         return fields
@@ -457,5 +475,10 @@ def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
             owner_id=run.owner_id or "",
             priority=run.priority,
             gpus=queue.asked_gpus(run.spec),
+            preemptible=run.preemptible,
         )
+        # The key's tracking destinations may have been pinned since the run was made.
+        owner = run.owner_id or ""
+        if problems := key_tracking_problems(session, run.definition, owner_id=owner):
+            raise ValidationFailed(problems)
     lifecycle.resume(session, run)

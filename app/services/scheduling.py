@@ -15,6 +15,9 @@ resources now, each worker on one node and each tensor-parallel group on one nod
 kept back by its key's quota keeps no one else back; one that waits for the cluster keeps
 back every run of lower priority ("behind higher priority"), so that small runs cannot
 starve a large urgent one, while runs of its own priority may still fill what it cannot use.
+
+A reason, and a preemption's, names another run by its id only to that run's own key; to
+any other key it is "another key's run" (its ids are how paths into its storage are found).
 """
 
 from __future__ import annotations
@@ -196,8 +199,8 @@ def plan(
         if blocker is not None and run.priority < blocker[0].priority:
             first = blocker[0]
             result.reasons[run.id] = (
-                f"behind higher priority (run {first.id}, priority {first.priority}, is "
-                f"{blocker[1]})"
+                f"behind higher priority ({_named(first, seen_by=run.owner)}, priority "
+                f"{first.priority}, is {blocker[1]})"
             )
             continue
         if quota.max_running_runs is not None and used.runs >= quota.max_running_runs:
@@ -236,12 +239,21 @@ def plan(
         used.runs += 1
         used.gpus += run.ask.gpus
     if blocker is not None and policy.preemption and not releasing:
-        result.preempt = _preemptions(blocker[0], live, nodes, policy=policy, now=now)
+        waiting = blocker[0]
+        result.preempt = _preemptions(waiting, live, nodes, policy=policy, now=now)
+        victims = {run.id: run for run in live}
         for p in result.preempt:
-            result.reasons[blocker[0].id] = (
-                f"{result.reasons[blocker[0].id]}; preempting run {p.victim}"
-            )
+            victim = _named(victims[p.victim], seen_by=waiting.owner)
+            result.reasons[waiting.id] = f"{result.reasons[waiting.id]}; preempting {victim}"
     return result
+
+
+def _named(run: Queued | Live, *, seen_by: str) -> str:
+    """A run as a reason shown to `seen_by`'s key names it: by its id when it is that key's
+    own, else only as another key's. Reasons, preemption requests and their events reach
+    the runs' owners (the API, webhooks, the dashboard, the job's log): no key learns
+    another's run ids from them."""
+    return f"run {run.id}" if run.owner == seen_by else "another key's run"
 
 
 def place(ask: Ask, nodes: Sequence[Mapping[str, float]]) -> list[Resources] | None:
@@ -304,7 +316,10 @@ def _preemptions(
             Preemption(
                 victim=run.id,
                 for_run=waiting.id,
-                reason=f"run {waiting.id} (priority {waiting.priority}) needs its resources",
+                reason=(
+                    f"{_named(waiting, seen_by=run.owner)} (priority {waiting.priority}) "
+                    "needs its resources"
+                ),
             )
         )
         slots_short = False

@@ -4,6 +4,12 @@ service (checked before any compute), and what a tracked run's job gets from it.
 A tracker the service cannot serve is refused with a 422 rather than left to fail quietly
 on the cluster, where worker/tracking.py would only report it as an event: the client
 package missing, no MLflow server configured, W&B online without an API key.
+
+Runs track under the service's credentials, so where a key's runs may write is the
+operator's to say (`tuneyard keys create/update`): with the key's `tracking_prefix`, the
+MLflow experiment and W&B project must start with it (another name is refused, naming the
+field; an unset one becomes the prefix followed by the default name); with its
+`wandb_entity`, that W&B entity and no other (unset: it).
 """
 
 from __future__ import annotations
@@ -11,13 +17,15 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import field_problem
+from app.models import ApiKey
 from app.settings import Settings
 from contract.job_env import MLFLOW_TRACKING_URI_ENV, TRACKER_VARIABLES
-from contract.run_request import RunDefinition, RunSpec
+from contract.run_request import MlflowTracking, RunDefinition, RunSpec, WandbTracking
 
 # Where a session finds the service's settings (see `configure_sessions`).
 _SETTINGS_KEY = "tuneyard.tracking"
@@ -65,6 +73,66 @@ def tracking_problems(session: Session, request: RunDefinition) -> list[dict[str
                 )
             )
     return problems
+
+
+def key_tracking_problems(
+    session: Session,
+    request: RunDefinition,
+    *,
+    owner_id: str,
+    spec: dict[str, Any] | None = None,
+) -> list[dict[str, str]]:
+    """Where the caller's API key lets its runs track (see the module's doc): each name
+    outside it, naming its field. A name the request left unset becomes the key's, written
+    into `spec` (the run's definition as it will be stored), so that the run, its
+    validation's `resolved` and the worker all see it. A caller without a key is not held."""
+    key = session.get(ApiKey, owner_id)
+    if key is None or (key.tracking_prefix is None and key.wandb_entity is None):
+        return []
+    problems = []
+    tracking = (spec or {}).get("tracking") or {}
+    mlflow, wandb = request.tracking.mlflow, request.tracking.wandb
+    prefix = key.tracking_prefix
+    for tracker, name, asked in (
+        ("mlflow", "experiment", mlflow),
+        ("wandb", "project", wandb),
+    ):
+        if asked is None or prefix is None:
+            continue
+        if name not in asked.model_fields_set:
+            default = _DEFAULT_NAMES[tracker]
+            if isinstance(tracking.get(tracker), dict):
+                tracking[tracker][name] = f"{prefix}{default}"
+        elif not getattr(asked, name).startswith(prefix):
+            problems.append(
+                field_problem(
+                    f"tracking.{tracker}.{name}",
+                    f"{getattr(asked, name)!r} does not start with {prefix!r}, this API key's "
+                    f"tracking_prefix: runs of this key track only under it (leave {name} "
+                    f"unset for {prefix + _DEFAULT_NAMES[tracker]!r})",
+                )
+            )
+    entity = key.wandb_entity
+    if wandb is not None and entity is not None:
+        if wandb.entity is None:
+            if isinstance(tracking.get("wandb"), dict):
+                tracking["wandb"]["entity"] = entity
+        elif wandb.entity != entity:
+            problems.append(
+                field_problem(
+                    "tracking.wandb.entity",
+                    f"this API key's runs log to the W&B entity {entity!r} only (its "
+                    f"wandb_entity), not {wandb.entity!r}: leave entity unset, or set it so",
+                )
+            )
+    return problems
+
+
+# The names a request that leaves them unset tracks under (contract/run_request.py).
+_DEFAULT_NAMES = {
+    "mlflow": str(MlflowTracking.model_fields["experiment"].default),
+    "wandb": str(WandbTracking.model_fields["project"].default),
+}
 
 
 def tracking_job_env(

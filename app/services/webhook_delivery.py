@@ -7,25 +7,41 @@ taken by a compare-and-set on its attempt count, which also pushes its due time 
 send's timeout. So two service replicas never send one delivery at once, and a deliverer
 that dies mid-send leaves the row to be sent again, under the same Idempotency-Key, once
 that claim lapses. The HTTP request itself runs outside any transaction.
+
+Each API key (a run's owner) has its own share of the send threads: one deliverer has at
+most SENDS_PER_OWNER of a key's deliveries in flight, and a claim takes no more of a key's
+due rows than that leaves room for. So a receiver that hangs until the timeout holds its
+own tenant's threads, and the other tenants' deliveries go on past it.
+
+A delivery that fails in any way, an exception of any kind included, is recorded as
+retried or failed, never left pending; a claim that lapsed without an outcome (a deliverer
+that died mid-send) counts as an attempt, and past TUNEYARD_WEBHOOK_MAX_ATTEMPTS the row is
+failed rather than sent again. What a failure records is its class ("connection failed",
+"timed out", "refused: address not allowed", "HTTP 503"), never an exception's text: the
+tenant reads it, and the details would describe a network it may not reach.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import ssl
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.background import TickLoop
 from app.db import transaction
-from app.models import WebhookDelivery, utcnow
+from app.models import ApiKey, Run, WebhookDelivery, utcnow
+from app.services.webhook_addresses import REFUSED, AddressPolicy, AddressRefused, guarded_transport
 from app.services.webhooks import (
     DELIVERED,
     FAILED,
@@ -41,21 +57,31 @@ from app.settings import Settings
 log = logging.getLogger("tuneyard")
 
 # Deliveries sent at once: a receiver that hangs until the timeout holds up one of them.
-SEND_THREADS = 4
+SEND_THREADS = 8
+# Of them, one key's at most (per deliverer): a tenant's slow receivers hold its share only.
+SENDS_PER_OWNER = 2
 # A claim outlasts the send's timeout by this much before another deliverer may retry it.
 CLAIM_MARGIN_S = 30.0
 MAX_RETRY_DELAY_S = 3600.0
-# What of a failure is kept: enough to say why, never the receiver's whole answer.
-MAX_ERROR_CHARS = 500
+# The classes of failure a delivery records, besides REFUSED and "HTTP <status>".
+TIMED_OUT = "timed out"
+CONNECTION_FAILED = "connection failed"
+# Anything else: a URL the client cannot send to, a bug. The log has the exception's type.
+DELIVERY_FAILED = "delivery failed"
+# Claimed on its last attempt, and never recorded: given up when the claim lapsed.
+INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
     id: str
     run_id: str
+    owner: str  # the run's owner key ("" if none): whose share of the threads it takes
     url: str
     payload: dict[str, Any]
     attempts: int  # including this one
+    service_wide: bool
+    secret: str = field(repr=False)  # signs it
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +102,48 @@ def retry_delay_s(attempts: int, *, base_s: float, rng: random.Random | None = N
     return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
 
 
+def _host_of(url: str) -> str:
+    """The host only, for the log: a webhook URL often carries its receiver's token."""
+    try:
+        return httpx.URL(url).host or "?"
+    except Exception:
+        return "(a URL that does not parse)"
+
+
 class WebhookDeliverer(TickLoop):
     name = "tuneyard-webhooks"
 
-    def __init__(self, *, settings: Settings, session_factory: sessionmaker[Session]) -> None:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        """`verify`: what receivers' certificates are checked against (httpx's default CA
+        bundle; a test's own CA)."""
         if settings.webhook_secret is None:
             raise ValueError("the webhook deliverer needs TUNEYARD_WEBHOOK_SECRET")
         self.settings = settings
         self.session_factory = session_factory
         self._secret = settings.webhook_secret.get_secret_value()
         # Redirects are not followed: a delivery goes to the URL its subscriber gave.
+        options: dict[str, Any] = {
+            "timeout": settings.webhook_timeout_s,
+            "follow_redirects": False,
+            "headers": {"User-Agent": USER_AGENT},
+            "verify": verify,
+        }
+        # Runs' own webhooks: every connection meets the address rule, to the address checked;
+        # never through the environment's proxies (httpx would mount them past the transport,
+        # and a proxy resolves the name itself).
+        policy = AddressPolicy.parse(settings.webhook_allowed_networks)
         self._http = httpx.Client(
-            timeout=settings.webhook_timeout_s,
-            follow_redirects=False,
-            headers={"User-Agent": USER_AGENT},
+            transport=guarded_transport(policy, verify=verify), trust_env=False, **options
         )
+        # Service-wide subscribers are the operator's choice, on its own network maybe: no
+        # address rule, and the environment's proxies as for any client.
+        self._operator_http = httpx.Client(**options)
         self._pool = ThreadPoolExecutor(SEND_THREADS, thread_name_prefix="tuneyard-webhook")
         super().__init__(
             interval_s=settings.webhook_poll_interval_s,
@@ -101,36 +154,80 @@ class WebhookDeliverer(TickLoop):
         super().stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._operator_http.close()
 
     def tick(self) -> int:
         """Send every delivery due now, each once; how many were attempted. A retry falls
-        due after now, so it waits for a later tick."""
+        due after now, so it waits for a later tick. As each send ends, its key has room
+        again and more is claimed: a key's slow receiver holds its own share of the
+        threads while the others' deliveries go on."""
         due_by = utcnow()
         attempted = 0
-        while not self._stop.is_set():
-            claimed = self.claim_due(due_by=due_by, limit=SEND_THREADS)
-            if not claimed:
-                break
-            outcomes = list(self._pool.map(self._send, claimed))
-            for delivery, outcome in zip(claimed, outcomes, strict=True):
-                self._record(delivery, outcome)
-            attempted += len(claimed)
-        return attempted
+        in_flight: dict[Future[None], Claimed] = {}
+        while True:
+            room = SEND_THREADS - len(in_flight)
+            claimed: list[Claimed] = []
+            if room and not self._stop.is_set():
+                busy = Counter(delivery.owner for delivery in in_flight.values())
+                claimed = self.claim_due(due_by=due_by, limit=room, busy=busy)
+                for delivery in claimed:
+                    in_flight[self._pool.submit(self._deliver, delivery)] = delivery
+                attempted += len(claimed)
+            if not in_flight:
+                return attempted
+            if claimed:
+                continue  # a key whose share is now taken leaves room for the next key's
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in done:
+                delivery = in_flight.pop(future)
+                if not future.cancelled() and (exc := future.exception()) is not None:
+                    # Recording failed (the database): the claim lapses and it is tried again.
+                    log.error(
+                        "webhook %s: its outcome was not recorded (%s)",
+                        delivery.id,
+                        type(exc).__name__,
+                        extra={"run_id": delivery.run_id},
+                    )
 
     # -- claim, send, record ------------------------------------------------------------
 
-    def claim_due(self, *, due_by: datetime, limit: int) -> list[Claimed]:
+    def claim_due(
+        self, *, due_by: datetime, limit: int, busy: Mapping[str, int] | None = None
+    ) -> list[Claimed]:
+        """Claim up to `limit` deliveries due by `due_by`, oldest first, and of each owner
+        key no more than SENDS_PER_OWNER less its `busy` ones (in flight here already)."""
+        busy = busy or {}
+        room = {owner: SENDS_PER_OWNER - n for owner, n in busy.items()}
         lapse = utcnow() + timedelta(seconds=self.settings.webhook_timeout_s + CLAIM_MARGIN_S)
+        owner = func.coalesce(Run.owner_id, "")
+        due = [WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= due_by]
+        if full := [key for key, left in room.items() if left <= 0]:
+            # The rows of keys whose share is taken stay for a later claim, and the rows
+            # behind them, other keys', are claimed now.
+            due.append(owner.not_in(full))
         claimed: list[Claimed] = []
         with transaction(self.session_factory) as session:
-            due = session.execute(
-                select(WebhookDelivery.id, WebhookDelivery.attempts)
-                .where(WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= due_by)
+            rows = session.execute(
+                select(
+                    WebhookDelivery.id,
+                    WebhookDelivery.run_id,
+                    WebhookDelivery.attempts,
+                    owner.label("owner"),
+                )
+                .join(Run, Run.id == WebhookDelivery.run_id)
+                .where(*due)
                 .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id)
                 .limit(limit)
-                .with_for_update(skip_locked=True)
+                .with_for_update(skip_locked=True, of=WebhookDelivery)
             ).all()
-            for delivery_id, attempts in due:
+            for delivery_id, run_id, attempts, owner_id in rows:
+                if len(claimed) >= limit:
+                    break
+                if attempts >= self.settings.webhook_max_attempts:
+                    self._give_up(session, delivery_id, run_id, attempts)
+                    continue
+                if room.get(owner_id, SENDS_PER_OWNER) <= 0:
+                    continue
                 taken = session.execute(
                     update(WebhookDelivery)
                     .where(
@@ -143,25 +240,89 @@ class WebhookDeliverer(TickLoop):
                 )
                 if taken.rowcount != 1:  # type: ignore[attr-defined]
                     continue  # a peer took it
-                row = session.execute(
-                    select(
-                        WebhookDelivery.run_id, WebhookDelivery.url, WebhookDelivery.payload
-                    ).where(WebhookDelivery.id == delivery_id)
-                ).one()
-                claimed.append(Claimed(delivery_id, row.run_id, row.url, row.payload, attempts + 1))
+                room[owner_id] = room.get(owner_id, SENDS_PER_OWNER) - 1
+                claimed.append(self._claimed(session, delivery_id, owner_id, attempts + 1))
         return claimed
+
+    def _claimed(self, session: Session, delivery_id: str, owner: str, attempts: int) -> Claimed:
+        row = session.execute(
+            select(
+                WebhookDelivery.run_id,
+                WebhookDelivery.url,
+                WebhookDelivery.payload,
+                WebhookDelivery.service_wide,
+                ApiKey.webhook_secret,
+            )
+            .join(Run, Run.id == WebhookDelivery.run_id)
+            .outerjoin(ApiKey, ApiKey.id == Run.owner_id)
+            .where(WebhookDelivery.id == delivery_id)
+        ).one()
+        # A run's own hooks: its owner key's secret. The service's for its subscribers, and
+        # for a run with no key of its own (auth disabled) or a key from before the secrets.
+        secret = row.webhook_secret if not row.service_wide and row.webhook_secret else None
+        return Claimed(
+            id=delivery_id,
+            run_id=row.run_id,
+            owner=owner,
+            url=row.url,
+            payload=row.payload,
+            attempts=attempts,
+            service_wide=row.service_wide,
+            secret=secret or self._secret,
+        )
+
+    def _give_up(self, session: Session, delivery_id: str, run_id: str, attempts: int) -> None:
+        """A row claimed for its last attempt whose outcome was never recorded."""
+        session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.status == PENDING,
+                WebhookDelivery.attempts == attempts,
+            )
+            .values(
+                status=FAILED, last_error=func.coalesce(WebhookDelivery.last_error, INTERRUPTED)
+            )
+            .execution_options(synchronize_session=False)
+        )
+        log.warning(
+            "webhook %s: no outcome of its last attempt; failed",
+            delivery_id,
+            extra={"run_id": run_id},
+        )
+
+    def _deliver(self, delivery: Claimed) -> None:
+        """Send and record one delivery, on a send thread."""
+        try:
+            outcome = self._send(delivery)
+        except Exception as exc:
+            log.warning(
+                "webhook %s to %s, attempt %d: %s",
+                delivery.id,
+                _host_of(delivery.url),
+                delivery.attempts,
+                type(exc).__name__,
+                extra={"run_id": delivery.run_id},
+            )
+            outcome = Outcome(None, DELIVERY_FAILED)
+        self._record(delivery, outcome)
 
     def _send(self, delivery: Claimed) -> Outcome:
         body = body_of(delivery.payload)
         headers = {
             "Content-Type": "application/json",
             IDEMPOTENCY_HEADER: delivery.id,
-            SIGNATURE_HEADER: sign(self._secret, int(time.time()), body),
+            SIGNATURE_HEADER: sign(delivery.secret, int(time.time()), body),
         }
+        client = self._operator_http if delivery.service_wide else self._http
         try:
-            response = self._http.post(delivery.url, content=body, headers=headers)
-        except httpx.HTTPError as exc:
-            return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+            response = client.post(delivery.url, content=body, headers=headers)
+        except AddressRefused:
+            return Outcome(None, REFUSED)
+        except httpx.TimeoutException:
+            return Outcome(None, TIMED_OUT)
+        except httpx.TransportError:
+            return Outcome(None, CONNECTION_FAILED)
         if 200 <= response.status_code < 300:
             return Outcome(response.status_code, None)
         return Outcome(response.status_code, f"HTTP {response.status_code}")
@@ -197,8 +358,7 @@ class WebhookDeliverer(TickLoop):
             level,
             "webhook %s to %s, attempt %d: %s",
             delivery.id,
-            # The host only: a webhook URL often carries its receiver's token.
-            httpx.URL(delivery.url).host,
+            _host_of(delivery.url),
             delivery.attempts,
             "delivered" if outcome.ok else outcome.error,
             extra={"run_id": delivery.run_id},

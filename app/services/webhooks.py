@@ -4,10 +4,15 @@ A delivery is a row added in the transaction of the change that caused it: a rol
 change sends nothing, a committed one is never lost, and a restarted service still has it.
 The deliverer (app/services/webhook_delivery.py) sends the rows.
 
-Receivers check `Tuneyard-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`,
-computed with the shared secret `TUNEYARD_WEBHOOK_SECRET` over the raw body, as Stripe's
-scheme does, and drop repeats by `Idempotency-Key` (the delivery's id, the same on every
-attempt).
+Receivers check `Tuneyard-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`
+over the raw body, as Stripe's scheme does, and drop repeats by `Idempotency-Key` (the
+delivery's id, the same on every attempt). A run's own webhooks are signed with its owner
+key's secret (`ApiKey.webhook_secret`, shown once when the key is made or the secret
+rotated), so that no tenant can sign what another tenant's receiver accepts; service-wide
+subscribers (and the hooks of a run without an owner key) with `TUNEYARD_WEBHOOK_SECRET`.
+
+A payload shows the run without its webhooks: a receiver learns nothing of the other
+receivers' URLs (which may carry tokens), a service-wide subscriber nothing of any tenant's.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import hmac
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
@@ -25,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Run, WebhookDelivery, new_id, utcnow
 from app.schemas.run_view import RunView
+from app.services.webhook_addresses import AddressPolicy
 from app.settings import Settings
 
 SIGNATURE_HEADER = "Tuneyard-Signature"
@@ -46,6 +52,8 @@ class WebhookConfig:
     signed: bool  # a secret is set: runs may ask for webhooks
     urls: tuple[str, ...] = ()  # service-wide subscribers
     events: frozenset[str] = frozenset()  # what the service-wide subscribers get
+    # Where runs' webhooks may go (TUNEYARD_WEBHOOK_ALLOWED_NETWORKS beside public addresses).
+    addresses: AddressPolicy = field(default_factory=AddressPolicy)
 
     @classmethod
     def of(cls, settings: Settings) -> WebhookConfig:
@@ -53,6 +61,7 @@ class WebhookConfig:
             signed=settings.webhook_secret is not None,
             urls=tuple(settings.webhook_urls),
             events=frozenset(settings.webhook_events),
+            addresses=AddressPolicy.parse(settings.webhook_allowed_networks),
         )
 
 
@@ -76,17 +85,16 @@ def session_config(session: Session) -> WebhookConfig:
     return config if isinstance(config, WebhookConfig) else _UNSIGNED
 
 
-def subscribers(session: Session, run: Run, event: str) -> list[str]:
-    """The URLs that asked for `event` of `run`: its own webhooks, then the service's; each
-    URL once, whichever asked."""
-    urls: list[str] = []
-    for hook in run.spec.get("webhooks") or []:
-        if event in hook.get("events", ()):
-            urls.append(hook["url"])
+def subscribers(session: Session, run: Run, event: str) -> list[tuple[str, bool]]:
+    """The URLs that asked for `event` of `run`, each with whether it is service-wide: its
+    own webhooks, then the service's, each URL once of each kind. A URL of both kinds gets
+    both deliveries: each is signed with another secret."""
+    own = [h["url"] for h in run.spec.get("webhooks") or [] if event in h.get("events", ())]
     config = session_config(session)
-    if event in config.events:
-        urls.extend(config.urls)
-    return list(dict.fromkeys(urls))
+    service_wide = list(config.urls) if event in config.events else []
+    return [(url, False) for url in dict.fromkeys(own)] + [
+        (url, True) for url in dict.fromkeys(service_wide)
+    ]
 
 
 def enqueue_webhooks(
@@ -100,9 +108,11 @@ def enqueue_webhooks(
     # The view reads columns a flush fills in (a new row's created_at).
     session.flush()
     view = RunView.of(run).model_dump(mode="json")
+    # Every receiver would see every other's URL (and the tokens URLs carry).
+    view["spec"].pop("webhooks", None)
     now = utcnow()
     deliveries = []
-    for url in urls:
+    for url, service_wide in urls:
         delivery_id = new_id("whd")
         payload = {
             "id": delivery_id,
@@ -115,6 +125,7 @@ def enqueue_webhooks(
             run_id=run.id,
             event=event_type,
             url=url,
+            service_wide=service_wide,
             payload=payload,
             status=PENDING,
             attempts=0,
@@ -127,10 +138,12 @@ def enqueue_webhooks(
 
 
 def list_deliveries(session: Session, *, run: Run) -> list[WebhookDelivery]:
+    """The deliveries to the run's own webhooks: those to service-wide subscribers are the
+    operator's (their URLs may carry tokens, their outcomes are the operator's network's)."""
     return list(
         session.scalars(
             select(WebhookDelivery)
-            .where(WebhookDelivery.run_id == run.id)
+            .where(WebhookDelivery.run_id == run.id, WebhookDelivery.service_wide.is_(False))
             .order_by(WebhookDelivery.created_at, WebhookDelivery.id)
         )
     )

@@ -1,5 +1,6 @@
-"""tenant isolation: a webhook signing secret per key, non-preemptible runs as a key
-permission, tracking destinations an operator pins per key
+"""tenant isolation: a webhook signing secret per key (and which secret signs each
+delivery), non-preemptible runs as a key permission, tracking destinations an operator pins
+per key
 
 Revision ID: e5d1a9c3f7b2
 Revises: c4a7e1f9d2b8
@@ -24,6 +25,12 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('allow_non_preemptible', sa.Boolean(), nullable=True))
         batch_op.add_column(sa.Column('tracking_prefix', sa.String(length=100), nullable=True))
         batch_op.add_column(sa.Column('wandb_entity', sa.String(length=100), nullable=True))
+    # Which secret signs a delivery: the service's (a service-wide subscriber) or the run
+    # owner's key's. Deliveries already queued are taken as the run's own.
+    with op.batch_alter_table('webhook_deliveries', schema=None) as batch_op:
+        batch_op.add_column(
+            sa.Column('service_wide', sa.Boolean(), server_default=sa.false(), nullable=False)
+        )
     # Keys made before this revision get a signing secret of their own too; their holders
     # read it with `tuneyard keys rotate-webhook-secret`, which replaces it.
     api_keys = sa.table(
@@ -39,6 +46,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('webhook_deliveries', schema=None) as batch_op:
+        batch_op.drop_column('service_wide')
     with op.batch_alter_table('api_keys', schema=None) as batch_op:
         batch_op.drop_column('wandb_entity')
         batch_op.drop_column('tracking_prefix')

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
 from tests.app.conftest import start_run
-from tests.app.worker_calls import post_status
+from tests.app.worker_calls import post_status, run_location
 
 
 def _points(steps: range, name: str = "loss", base: float = 5.0) -> list[dict[str, Any]]:
@@ -184,53 +184,62 @@ class TestMetricsCallback:
 
 class TestCheckpointCallback:
     def test_recorded_and_shown_on_the_run(
-        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        started: tuple[str, dict[str, str]],
     ) -> None:
         run_id, worker = started
+        checkpoint = run_location(settings, run_id, "checkpoint_5")
+        export = run_location(settings, run_id, "export")
         ds = {
             "attempt": 1,
             "step": 5,
             "epoch": 0.5,
-            "path": "/storage/run/checkpoint_5",
+            "path": checkpoint,
             "kind": "deepspeed",
             "metrics": {"loss": 4.0},
         }
-        hf = {**ds, "path": "/storage/run/export", "kind": "hf"}
+        hf = {**ds, "path": export, "kind": "hf"}
         for body in (ds, ds, hf):  # the repeat is a retry: stored once
             r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
             assert r.status_code == 200, r.text
 
         listed = client.get(f"/v1/runs/{run_id}/checkpoints", headers=auth).json()["data"]
         assert [(c["kind"], c["path"], c["step"]) for c in listed] == [
-            ("deepspeed", "/storage/run/checkpoint_5", 5),
-            ("hf", "/storage/run/export", 5),
+            ("deepspeed", checkpoint, 5),
+            ("hf", export, 5),
         ]
         assert listed[0]["metrics"] == {"loss": 4.0}
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
-        assert run["output"] == {
-            "model_path": "/storage/run/export",
-            "latest_checkpoint": "/storage/run/checkpoint_5",
-        }
+        assert run["output"] == {"model_path": export, "latest_checkpoint": checkpoint}
 
     def test_checkpoints_beyond_keep_last_are_marked_pruned(
-        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        started: tuple[str, dict[str, str]],
     ) -> None:
         run_id, worker = started
         run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
         keep_last = run["spec"]["checkpointing"]["keep_last"]
         steps = list(range(1, keep_last + 3))
         for step in steps:
-            body = {"attempt": 1, "step": step, "path": f"/s/ckpt_{step}", "kind": "deepspeed"}
+            path = run_location(settings, run_id, f"ckpt_{step}")
+            body = {"attempt": 1, "step": step, "path": path, "kind": "deepspeed"}
             r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
             assert r.status_code == 200, r.text
-        export = {"attempt": 1, "step": steps[-1], "path": "/s/export", "kind": "hf"}
+        path = run_location(settings, run_id, "export")
+        export = {"attempt": 1, "step": steps[-1], "path": path, "kind": "hf"}
         client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=export, headers=worker)
         listed = client.get(f"/v1/runs/{run_id}/checkpoints", headers=auth).json()["data"]
-        pruned = {c["path"]: c["pruned"] for c in listed}
+        pruned = {Path(c["path"]).name: c["pruned"] for c in listed}
         # Ray Train deleted all but the newest keep_last; an export is never pruned.
         assert pruned == {
-            **{f"/s/ckpt_{s}": s <= steps[-1] - keep_last for s in steps},
-            "/s/export": False,
+            **{f"ckpt_{s}": s <= steps[-1] - keep_last for s in steps},
+            "export": False,
         }
 
     def test_unknown_kind_is_422(

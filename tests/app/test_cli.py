@@ -32,7 +32,7 @@ from contract.job_env import PROFILE_ENV
 from tests.app.conftest import served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.test_profiles import ProfilingRay
-from tests.app.worker_calls import bearer, job_token
+from tests.app.worker_calls import bearer, job_token, run_location
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -256,15 +256,16 @@ class TestControl:
         run_id = live.cli("submit", str(write_spec(tmp_path))).stdout.strip()
         token = live.dispatch()
         live.worker_post(run_id, token, "status", {"status": "running"})
+        path = run_location(live.settings, run_id, "step-5")
         live.worker_post(
             run_id,
             token,
             "checkpoints",
-            {"step": 5, "path": "/shared/ckpt/step-5", "kind": "deepspeed", "metrics": {}},
+            {"step": 5, "path": path, "kind": "deepspeed", "metrics": {}},
         )
         table = live.cli("checkpoints", run_id)
         assert table.exit_code == ExitCode.OK
-        assert "/shared/ckpt/step-5" in table.stdout
+        assert "step-5" in table.stdout
         assert json.loads(live.cli("checkpoints", run_id, "--json").stdout)[0]["step"] == 5
 
         live.ray.logs_text = "line 1\nline 2\nline 3\n"
@@ -489,3 +490,56 @@ class TestKeyLimits:
         result = self.keys(settings, "update", "nobody", "--max-gpus", "1")
         assert result.exit_code == ExitCode.NOT_FOUND
         assert "no API key with the id or live key with the name 'nobody'" in result.stderr
+
+    def test_permissions_are_set_shown_and_lifted_as_limits_are(self, settings: Settings) -> None:
+        created = self.keys(
+            settings,
+            "create",
+            "--name",
+            "sweeps",
+            "--max-priority",
+            "60",
+            "--allow-non-preemptible",
+            "--tracking-prefix",
+            "sweeps-",
+            "--wandb-entity",
+            "acme",
+        )
+        assert created.exit_code == ExitCode.OK, created.stderr
+        self.keys(settings, "create", "--name", "on-call")
+        permissions = ("allow_non_preemptible", "tracking_prefix", "wandb_entity")
+
+        def shown() -> dict[str, dict[str, Any]]:
+            listed = json.loads(self.keys(settings, "list", "--json").stdout)
+            return {k["name"]: {n: k[n] for n in permissions} for k in listed}
+
+        assert shown() == {
+            "sweeps": {
+                "allow_non_preemptible": True,
+                "tracking_prefix": "sweeps-",
+                "wandb_entity": "acme",
+            },
+            "on-call": dict.fromkeys(permissions),
+        }
+        table = self.keys(settings, "list").stdout
+        for column in ("non-preemptible", "tracking prefix", "wandb entity"):
+            assert column in table
+        rows = {line.split("│")[2].strip(): line for line in table.splitlines() if "│" in line}
+        assert "sweeps-" in rows["sweeps"] and "acme" in rows["sweeps"]
+        assert "unless capped" in rows["on-call"]
+
+        updated = self.keys(
+            settings, "update", "sweeps", "--no-allow-non-preemptible", "--wandb-entity", "none"
+        )
+        assert updated.exit_code == ExitCode.OK, updated.stderr
+        assert 'allow_non_preemptible false, tracking_prefix "sweeps-"' in updated.stdout
+        assert shown()["sweeps"] == {
+            "allow_non_preemptible": False,
+            "tracking_prefix": "sweeps-",
+            "wandb_entity": None,
+        }
+
+        refused = self.keys(settings, "update", "sweeps", "--tracking-prefix", "team/b")
+        assert refused.exit_code == ExitCode.REFUSED
+        assert "tracking_prefix: must be 1 to 64 letters" in " ".join(refused.stderr.split())
+        assert shown()["sweeps"]["tracking_prefix"] == "sweeps-"

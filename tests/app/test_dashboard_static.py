@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.dashboard import STATIC_DIR
+from app.api.security_headers import CSP_PAGES
 
 PAGES = {
     "/": "runs-list.js",
@@ -47,8 +48,8 @@ class TestPages:
         assert response.headers["content-type"].startswith("text/html")
         assert f'src="/static/js/{PAGES[path]}"' in response.text
         assert 'id="key-dialog"' in response.text
-        # The HTML may load its scripts, but never be framed.
-        assert response.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
+        # The HTML may load this service's scripts, but never be framed.
+        assert response.headers["Content-Security-Policy"] == CSP_PAGES
 
     @pytest.mark.parametrize("path", PAGES)
     def test_every_asset_a_page_loads_is_local_and_served(

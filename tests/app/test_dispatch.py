@@ -28,7 +28,7 @@ from app.dispatch import (
     build_runtime_env,
 )
 from app.models import Event, Run, utcnow
-from app.ray_jobs import JobState, RayRejected, RayUnavailable, redact
+from app.ray_jobs import JobRecord, JobState, RayRejected, RayUnavailable, redact
 from app.security import hash_secret
 from app.settings import Settings
 from contract.run_request import RunRequest
@@ -47,7 +47,14 @@ class ScriptedRay:
         self.stopped: list[str] = []
         self._lock = threading.Lock()
 
-    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         if self.fail_with is not None:
             raise self.fail_with
         with self._lock:
@@ -56,11 +63,23 @@ class ScriptedRay:
                     "submission_id": submission_id,
                     "entrypoint": entrypoint,
                     "runtime_env": runtime_env,
+                    "metadata": metadata or {},
+                    "submitted_at": time.time(),
                 }
             )
 
     def state(self, submission_id: str) -> JobState | None:
         return self.states.get(submission_id, JobState(status="RUNNING", message=""))
+
+    def list_jobs(self) -> list[JobRecord]:
+        """The submitted jobs Ray still knows (a state of None: forgotten)."""
+        with self._lock:
+            jobs = list(self.submitted)
+        return [
+            JobRecord(job["submission_id"], state.status, job["submitted_at"], job["metadata"])
+            for job in jobs
+            if (state := self.state(job["submission_id"])) is not None
+        ]
 
     def logs(self, submission_id: str) -> str:
         return self.logs_text

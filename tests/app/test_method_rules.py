@@ -14,6 +14,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Run
+from app.settings import Settings
+from tests.app.worker_calls import run_location
 from tests.factories import run_request
 
 
@@ -242,13 +244,14 @@ class TestModelFromARun:
         client: TestClient,
         auth: dict[str, str],
         tmp_path: Path,
+        settings: Settings,
         started: tuple[str, dict[str, str]],
     ) -> None:
         run_id, worker = started
-        export = tmp_path / "exported"
-        export.mkdir()
+        export = Path(run_location(settings, run_id, "export"))
+        export.mkdir(parents=True)
         (export / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
-        self._export(client, worker, run_id, tmp_path / "adapter", "adapter")
+        self._export(client, worker, run_id, export / "adapter", "adapter")
         self._export(client, worker, run_id, export, "hf")
 
         body = run_request(tmp_path, model=run_id)
@@ -264,10 +267,13 @@ class TestModelFromARun:
         client: TestClient,
         auth: dict[str, str],
         tmp_path: Path,
+        settings: Settings,
         started: tuple[str, dict[str, str]],
     ) -> None:
         run_id, worker = started
-        self._export(client, worker, run_id, tmp_path / "adapter", "adapter")
+        self._export(
+            client, worker, run_id, Path(run_location(settings, run_id, "export")), "adapter"
+        )
         message = _problems(client, auth, run_request(tmp_path, model=run_id))["model"]
         assert "only a LoRA adapter" in message and "'merged' or 'both'" in message
 

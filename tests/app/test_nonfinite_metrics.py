@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import served, start_run
+from tests.app.worker_calls import run_location
 from tests.conftest import make_api_key
 from worker.service_client import MetricsSender, ServiceClient
 
@@ -100,13 +101,17 @@ class TestCallbacksTakeNonFiniteValues:
         assert run["nonfinite_metrics"] == {}
 
     def test_checkpoint_metrics(
-        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        settings: Settings,
+        started: tuple[str, dict[str, str]],
     ) -> None:
         run_id, worker = started
         body = {
             "attempt": 1,
             "step": 5,
-            "path": "/storage/run/checkpoint_5",
+            "path": run_location(settings, run_id, "checkpoint_5"),
             "kind": "deepspeed",
             "metrics": {"loss": "NaN", "grad_norm": "Infinity", "learning_rate": 0.001},
         }
@@ -233,11 +238,15 @@ class TestTheWorkerReportsADivergingRun:
         assert live.run()["latest_metrics"] == {"loss": 0.5}
 
     def test_checkpoint_metrics_with_a_nan_are_recorded(
-        self, live: LiveService, reporter: tuple[ServiceClient, MetricsSender]
+        self,
+        live: LiveService,
+        reporter: tuple[ServiceClient, MetricsSender],
+        settings: Settings,
     ) -> None:
         client, _ = reporter
+        path = run_location(settings, live.run_id, "ckpt_3")
         assert client.checkpoint(
-            step=3, epoch=0.5, path="/s/ckpt_3", kind="deepspeed", metrics={"loss": NAN}
+            step=3, epoch=0.5, path=path, kind="deepspeed", metrics={"loss": NAN}
         )
         (checkpoint,) = live.api.get(f"/v1/runs/{live.run_id}/checkpoints").json()["data"]
         assert checkpoint["metrics"] == {"loss": None}

@@ -9,6 +9,7 @@ as the app's ClusterView. tests/e2e/test_placement.py checks the same against a 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +164,33 @@ class TestClusterView:
         ids=["unreachable", "unexpected-error", "no-node-yet"],
     )
     def test_a_cluster_that_cannot_be_read_refuses_nothing(self, answer: Any) -> None:
-        view = ClusterView(FakeNodes(answer), autoscales=False)
-        assert view.nodes() is None
+        view = ClusterView(FakeNodes(answer), autoscales=False, first_read_wait_s=0.3)
+        assert view.nodes() is None  # after the first seconds' wait, not for good
         assert view.problems(_res(use_gpu=True)) == []
+
+    def test_the_first_requests_wait_briefly_for_a_cluster_still_starting(self) -> None:
+        """Issue 39: a GPU run posted in the service's first seconds, while the head had no
+        node registered yet, was judged by nothing and accepted on a CPU-only cluster. The
+        first requests wait (a few seconds at most) for the nodes, read again meanwhile."""
+        answers = iter([[], RayUnavailable("the dashboard is starting"), []])
+
+        def starting_head() -> list[dict[str, float]]:
+            answer = next(answers, [CPU_NODE])
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        view = ClusterView(starting_head, autoscales=False)
+        problems = view.problems(_res(use_gpu=True))
+        assert [p["field"] for p in problems] == ["resources.use_gpu"]
+
+        # A cluster that never tells keeps a request no longer than the wait.
+        never = FakeNodes([])
+        began = time.monotonic()
+        view = ClusterView(never, autoscales=False, first_read_wait_s=0.6)
+        assert view.problems(_res(use_gpu=True)) == []
+        assert time.monotonic() - began < 3
+        assert never.reads >= 2
 
 
 def _problems(response: Any) -> dict[str, str]:
@@ -178,7 +203,8 @@ def _count_runs(session_factory: sessionmaker[Session]) -> int:
 
 
 def _with_cluster(client: TestClient, reader: FakeNodes, *, autoscales: bool = False) -> None:
-    view = ClusterView(reader, autoscales=autoscales)
+    """The view of a service past its first seconds (no request waits for the nodes)."""
+    view = ClusterView(reader, autoscales=autoscales, first_read_wait_s=0)
     client.app.state.tuneyard.cluster = view  # type: ignore[attr-defined]
     _settled(view)
 

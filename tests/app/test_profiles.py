@@ -64,8 +64,20 @@ class ProfilingRay(ScriptedRay):
         self.final: str | None = "SUCCEEDED"
         self.deleted: list[str] = []
 
-    def submit(self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any]) -> None:
-        super().submit(submission_id=submission_id, entrypoint=entrypoint, runtime_env=runtime_env)
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().submit(
+            submission_id=submission_id,
+            entrypoint=entrypoint,
+            runtime_env=runtime_env,
+            metadata=metadata,
+        )
         options = json.loads(runtime_env["env_vars"][PROFILE_ENV])
         if self.result is not None:
             local = Path(self.storage.root) / "written.json"

@@ -22,7 +22,7 @@ from app.dispatch import Dispatcher
 from app.ray_jobs import JobState, RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
-from tests.app.worker_calls import post_status, worker_headers
+from tests.app.worker_calls import post_status, run_location, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -283,12 +283,14 @@ class TestResume:
     ) -> None:
         live = _start(client, auth, tmp_path, settings, session_factory)
         post_status(client, live.run_id, live.worker, "running", check=True)
-        checkpoint = {"attempt": 1, "step": 3, "path": "/storage/run/checkpoint_3"}
-        client.post(
+        path = run_location(settings, live.run_id, "checkpoint_3")
+        checkpoint = {"attempt": 1, "step": 3, "path": path}
+        r = client.post(
             f"/v1/internal/runs/{live.run_id}/checkpoints",
             json={**checkpoint, "kind": "deepspeed"},
             headers=live.worker,
         )
+        assert r.status_code == 200, r.text
         error = {"code": "training_error", "message": "CUDA out of memory"}
         post_status(client, live.run_id, live.worker, "failed", error=error, check=True)
         assert _get(client, auth, live.run_id)["error"] == error
@@ -301,7 +303,7 @@ class TestResume:
         assert run["error"] is None
         assert run["finished_at"] is None
         assert run["ray_submission_id"] is None
-        assert run["output"]["latest_checkpoint"] == "/storage/run/checkpoint_3"
+        assert run["output"]["latest_checkpoint"] == path
         last = _events(client, auth, live.run_id)[-1]
         assert (last["type"], last["status"], last["attempt"]) == ("status", "queued", 2)
 

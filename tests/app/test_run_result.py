@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
-from tests.app.worker_calls import worker_headers
+from tests.app.worker_calls import run_location, worker_headers
 from tests.factories import run_request
 
 EVAL = {"split": "train[:90%]", "eval_split": "train[90%:]"}
@@ -41,12 +41,17 @@ def start(
 
 
 def post_checkpoint(
-    client: TestClient, run_id: str, worker: dict[str, str], step: int, **metrics: float | str
+    client: TestClient,
+    settings: Settings,
+    run_id: str,
+    worker: dict[str, str],
+    step: int,
+    **metrics: float | str,
 ) -> None:
     body = {
         "attempt": 1,
         "step": step,
-        "path": f"/s/{run_id}/checkpoint_step_{step:08d}",
+        "path": run_location(settings, run_id, f"checkpoint_step_{step:08d}"),
         "kind": "deepspeed",
         "metrics": metrics,
     }
@@ -164,7 +169,7 @@ class TestResult:
         # eval_loss by step: the best is step 4; step 8 ties it and, being later, takes it
         # (as Ray Train ranks ties); step 10 is the latest.
         for step, loss in ((2, 3.0), (4, 2.0), (6, 2.5), (8, 2.0), (10, "NaN")):
-            post_checkpoint(client, run_id, worker, step, eval_loss=loss, loss=1.0)
+            post_checkpoint(client, settings, run_id, worker, step, eval_loss=loss, loss=1.0)
 
         listed = client.get(f"/v1/runs/{run_id}/checkpoints", headers=auth).json()["data"]
         flags = {c["step"]: (c["best"], c["pruned"]) for c in listed}

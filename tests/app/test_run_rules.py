@@ -308,9 +308,9 @@ class TestLocalSources:
         tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        from app.services import run_rules
+        from app.services import path_rules
 
-        monkeypatch.setattr(run_rules, "MAX_FOLDER_ENTRIES", 3)
+        monkeypatch.setattr(path_rules, "MAX_FOLDER_ENTRIES", 3)
         folder = tmp_path / "many"
         folder.mkdir()
         for i in range(4):

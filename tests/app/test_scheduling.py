@@ -253,7 +253,7 @@ class TestSlots:
         )
         assert decided.start == []
         assert decided.reasons["low"] == (
-            "behind higher priority (run high, priority 90, is waiting for a free slot)"
+            "behind higher priority (another key's run, priority 90, is waiting for a free slot)"
         )
 
 
@@ -291,7 +291,8 @@ class TestCluster:
         # the CPU-only run would fit too, but would take what the urgent run waits for.
         assert decided.start == ["peer"]
         behind = (
-            "behind higher priority (run urgent, priority 90, is waiting for cluster resources)"
+            "behind higher priority (another key's run, priority 90, is waiting for cluster "
+            "resources)"
         )
         assert decided.reasons == {
             # What was free when its turn came, before the peer took a GPU.
@@ -380,11 +381,18 @@ class TestPreemption:
         ]
         decided = decide([self.urgent()], running, free=self.FULL)
         assert [(p.victim, p.for_run) for p in decided.preempt] == [("young-10", "urgent")]
-        assert decided.preempt[0].reason == "run urgent (priority 90) needs its resources"
+        assert decided.preempt[0].reason == "another key's run (priority 90) needs its resources"
         assert decided.reasons["urgent"] == (
             "waiting for cluster resources (needs 1 GPU + 1 CPU, 0 GPUs + 8 CPUs free); "
-            "preempting run young-10"
+            "preempting another key's run"
         )
+
+    def test_a_keys_own_runs_are_named_to_it(self) -> None:
+        # Another key's run is never named (the case above); a key's own run is.
+        running = [live("mine", "b", priority=10, need=ask(1))]
+        decided = decide([self.urgent()], running, free=self.FULL)
+        assert decided.preempt[0].reason == "run urgent (priority 90) needs its resources"
+        assert decided.reasons["urgent"].endswith("; preempting run mine")
 
     def test_as_many_as_make_room_and_no_more(self) -> None:
         running = [
@@ -461,7 +469,8 @@ class TestPreemption:
         decided = decide([self.urgent()], running, free=None, slots=2)
         assert [p.victim for p in decided.preempt] == ["low"]
         assert decided.reasons["urgent"] == (
-            "waiting for a free slot (2 of 2 runs live, max_concurrent_runs); preempting run low"
+            "waiting for a free slot (2 of 2 runs live, max_concurrent_runs); preempting "
+            "another key's run"
         )
 
     def test_not_when_preemption_is_off(self) -> None:

@@ -170,19 +170,27 @@ class TestJobEnvironmentSettings:
 
 
 class TestSourceRoots:
-    def test_the_default_roots_hold_the_uploads_but_refuse_them(self, tmp_path: Path) -> None:
+    def test_the_default_roots_hold_the_storage_but_refuse_it(self, tmp_path: Path) -> None:
         # $TUNEYARD_HOME holds the storage path: without `refused`, any tenant could train
-        # on another's upload by naming its path.
+        # on another's upload or export by naming its path.
         settings = Settings(home=tmp_path / "home")
         roots = settings.resolved_allowed_roots
-        uploads = settings.uploads_dir
-        assert settings.home_dir in roots and uploads.is_relative_to(settings.home_dir)
-        assert roots.refused == (uploads,)
+        uploads, storage = settings.uploads_dir, Path(settings.storage.root)
+        assert settings.home_dir in roots and storage.is_relative_to(settings.home_dir)
+        assert roots.refused == {
+            uploads: "uploads",
+            storage: "storage",
+            settings.ray_state_dir: "state",
+        }
 
-    def test_configured_roots_refuse_the_uploads_too(self, tmp_path: Path) -> None:
+    def test_configured_roots_refuse_the_storage_too(self, tmp_path: Path) -> None:
         settings = Settings(
             home=tmp_path / "home", storage_path=tmp_path / "shared", allowed_roots=str(tmp_path)
         )
         roots = settings.resolved_allowed_roots
         assert list(roots) == [tmp_path.resolve()]
-        assert roots.refused == ((tmp_path / "shared" / "files").resolve(),)
+        shared = (tmp_path / "shared").resolve()
+        assert list(roots.refused.items())[:2] == [
+            (shared / "files", "uploads"),
+            (shared, "storage"),
+        ]

@@ -243,8 +243,9 @@ class TestQueueView:
         # The urgent run first; then fair share: a has nothing taken, then a (1 GPU taken)
         # before b (the urgent run's 4), then b before a's third. Positions are the whole
         # queue's; each key lists its own runs.
-        behind = f"behind higher priority (run {urgent}, priority 90, is waiting for cluster "
-        behind += "resources)"
+        # b's urgent run, as a's runs are told of it: never by its id.
+        behind = "behind higher priority (another key's run, priority 90, is waiting for "
+        behind += "cluster resources)"
         listed_a = client.get("/v1/runs", params={"status": "queued"}, headers=a).json()["data"]
         assert [(r["id"], r["queue"]) for r in listed_a] == [
             (a1, {"position": 2, "reason": behind}),
@@ -324,7 +325,7 @@ class TestQueueView:
 class TestNeverFits:
     """A queued run the cluster's nodes can no longer ever hold (a node left for good)."""
 
-    def test_it_fails_as_unplaceable_once_that_has_held_for_the_placement_timeout(
+    def test_it_fails_as_unplaceable_once_that_has_held_for_the_grace(
         self,
         client: TestClient,
         session_factory: sessionmaker[Session],
@@ -338,13 +339,17 @@ class TestNeverFits:
         run_id = submit(client, key, tmp_path, workers=2)
         ray.free = [{"CPU": 1.0}]
         dispatcher = dispatcher_for(
-            settings, session_factory, ray, cluster, placement_timeout_s=0.3
+            settings, session_factory, ray, cluster, unplaceable_grace_s=0.3
         )
         dispatcher.dispatch_queued_runs()
-        # Within the timeout it waits: a node may be rejoining after a head restart.
+        # Within the grace it waits, saying why: a node may be rejoining after a head restart.
         waiting = stored(session_factory, run_id)
         assert waiting.status == "queued"
-        assert waiting.queue_reason == "waiting for cluster resources (needs 2 CPUs, 1 CPU free)"
+        assert waiting.queue_reason == (
+            "no node can hold it: the run asks for 2 workers x 1 CPU, but they fit 1 at most "
+            "on the cluster's nodes (1 CPU); change the request or add nodes (it fails if none "
+            "that can joins within 0.3 s, TUNEYARD_UNPLACEABLE_GRACE_S)"
+        )
 
         time.sleep(0.4)
         dispatcher.dispatch_queued_runs()
@@ -356,7 +361,7 @@ class TestNeverFits:
         )
         assert ray.submitted == []
 
-    def test_one_that_fits_again_within_the_timeout_is_not_failed(
+    def test_one_that_fits_again_within_the_grace_is_not_failed(
         self,
         client: TestClient,
         session_factory: sessionmaker[Session],
@@ -370,7 +375,7 @@ class TestNeverFits:
         run_id = submit(client, key, tmp_path, workers=2)
         ray.free = [{"CPU": 1.0}]
         dispatcher = dispatcher_for(
-            settings, session_factory, ray, cluster, placement_timeout_s=0.3
+            settings, session_factory, ray, cluster, unplaceable_grace_s=0.3
         )
         dispatcher.dispatch_queued_runs()
         nodes.append({"CPU": 1.0})  # the second node is back
@@ -379,6 +384,52 @@ class TestNeverFits:
         ray.free = [{"CPU": 1.0}, {"CPU": 1.0}]
         dispatcher.dispatch_queued_runs()
         assert stored(session_factory, run_id).status == "starting"
+
+    def test_a_gpu_run_accepted_before_the_nodes_were_known_says_why_and_fails_in_a_minute(
+        self,
+        client: TestClient,
+        session_factory: sessionmaker[Session],
+        settings: Settings,
+        ray: ScriptedRay,
+        tmp_path: Path,
+    ) -> None:
+        """Issue 39: posted in a service's first seconds, before its view of a CPU-only
+        cluster was read, a GPU run was accepted (this client has no view, as then) and sat
+        queued with no reason for the 600 s placement timeout, holding back every run of
+        lower priority. It now says why at the first pass that knows the nodes, keeps no one
+        back, and fails within a minute (the default settings, on the dispatcher's clock)."""
+        key = new_key(session_factory, "team")
+        gpu_run = submit(client, key, tmp_path, priority=90, gpus=1, workers=1)
+        cpu_run = submit(client, key, tmp_path, workers=1)
+        ray.free = [{"CPU": 8.0}]
+        now = [1000.0]
+        jobs: Any = ray
+        dispatcher = Dispatcher(
+            settings=settings,
+            session_factory=session_factory,
+            jobs=jobs,
+            cluster=ClusterView(lambda: [{"CPU": 8.0}], autoscales=False),
+            clock=lambda: now[0],
+        )
+        dispatcher.dispatch_queued_runs()
+        waiting = stored(session_factory, gpu_run)
+        assert waiting.status == "queued"
+        assert waiting.queue_reason == (
+            "no node can hold it: the run asks for 1 worker x 1 GPU + 1 CPU, but the cluster "
+            "has no GPUs; change the request or add nodes (it fails if none that can joins "
+            "within 60 s, TUNEYARD_UNPLACEABLE_GRACE_S)"
+        )
+        assert stored(session_factory, cpu_run).status == "starting"
+
+        now[0] += 59
+        dispatcher.dispatch_queued_runs()
+        assert stored(session_factory, gpu_run).status == "queued"
+        now[0] += 2
+        dispatcher.dispatch_queued_runs()
+        failed = stored(session_factory, gpu_run)
+        assert (failed.status, failed.error_code) == ("failed", "unplaceable")
+        assert "the cluster has no GPUs" in (failed.error_message or "")
+        assert [job["submission_id"] for job in ray.submitted] == [f"{cpu_run}-1"]
 
 
 class TestWithoutRaysReport:
@@ -423,7 +474,10 @@ class TestWithoutRaysReport:
         run_id = submit(client, key, tmp_path)
         # No node registered yet either.
         dispatcher = dispatcher_for(
-            settings, session_factory, ray, ClusterView(lambda: [], autoscales=False)
+            settings,
+            session_factory,
+            ray,
+            ClusterView(lambda: [], autoscales=False, first_read_wait_s=0),
         )
         assert dispatcher.dispatch_queued_runs() == 0
         assert stored(session_factory, run_id).status == "queued"
@@ -508,10 +562,11 @@ class TestPreemption:
         assert control(client, low, worker).json() == {"preempt": False}
 
         urgent = self.preempt(client, urgent_key, tmp_path, dispatcher)
-        why = f"run {urgent} (priority 90) needs its resources"
+        # Two keys' runs: each is told of the other's without its id.
+        why = "another key's run (priority 90) needs its resources"
         assert client.get(f"/v1/runs/{urgent}", headers=urgent_key).json()["queue"]["reason"] == (
             "waiting for cluster resources (needs 2 GPUs + 1 CPU, 0 GPUs + 7 CPUs free); "
-            f"preempting run {low}"
+            "preempting another key's run"
         )
         assert control(client, low, worker).json() == {"preempt": True, "reason": why}
         assert stored(session_factory, low).status == "running"  # until the worker stops

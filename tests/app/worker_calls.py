@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from fastapi.testclient import TestClient
 
+from app.settings import Settings
 from contract.job_env import TOKEN_ENV
 
 Headers = dict[str, str]
@@ -81,6 +82,12 @@ def post_status(
     if check:
         assert response.status_code == 200, response.text
     return response
+
+
+def run_location(settings: Settings, run_id: str, *parts: str) -> str:
+    """A location in the run's folder in storage (storage/<run id>/...), where its worker
+    writes checkpoints and exports: the only place whose locations the service records."""
+    return settings.storage.join(run_id, *parts)
 
 
 def control(client: TestClient, run_id: str, worker: Headers, attempt: int = 1) -> Reply:

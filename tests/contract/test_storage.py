@@ -3,6 +3,7 @@ the same calls, the same results; locations are paths or URIs as users see them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,28 @@ def test_a_folder_goes_in_and_comes_back_whole(storage: Storage, tmp_path: Path)
     copy = storage.fetch(location, tmp_path / "copy")
     assert (copy / "sub" / "weights.bin").read_bytes() == bytes(range(256)) * 9000
     assert storage.exists(location) and storage.folders(storage.join("run_1")) == ["export"]
+
+
+def test_a_local_folder_is_listed_and_read_without_following_links(tmp_path: Path) -> None:
+    """What a run wrote in its folder may link anywhere on this machine: a link is neither
+    listed nor read, nor is anything but a regular file (issue 39: a model download sent
+    a link's target)."""
+    storage = Storage(str(tmp_path / "storage"))
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key.txt").write_text("private")
+    export = _folder(tmp_path / "storage" / "run_1" / "export")
+    (export / "key.txt").symlink_to(secret / "key.txt")
+    (export / "sub" / "linked").symlink_to(secret)
+    os.mkfifo(export / "pipe")
+    (export.parent / "linked-export").symlink_to(export)
+    location = storage.join("run_1", "export")
+
+    assert [f.name for f in storage.files(location)] == ["config.json", "sub/weights.bin"]
+    assert storage.files(storage.join("run_1", "linked-export")) == []
+    # A file swapped for a link after it was listed is not read either.
+    with pytest.raises(StorageError, match=r"key\.txt"):
+        storage.read_bytes(f"{location}/key.txt")
 
 
 def test_put_replaces_what_was_there(storage: Storage, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.cli import WEBHOOK_SECRET_LABEL
 from app.ports import free_port
 from worker.step_gate import STEP_GATE_ENV
 
@@ -35,6 +36,8 @@ class Service:
     log_path: Path
     env: dict[str, str]
     api_key: str
+    # Signs the webhooks of this key's runs (`keys create` shows it on stderr).
+    webhook_secret: str
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 180) -> None:
@@ -166,9 +169,12 @@ def make_service(
         "TUNEYARD_PORT": str(port),
         "TUNEYARD_ALLOWED_ROOTS": ":".join(str(r) for r in [*allowed_roots, data_dir]),
         "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
-        # Runs may ask for webhooks (signed with this); retries fall due within a test.
+        # Runs may ask for webhooks (signed with their key's secret, service-wide
+        # subscribers' with this); retries fall due within a test.
         "TUNEYARD_WEBHOOK_SECRET": secrets.token_hex(16),
         "TUNEYARD_WEBHOOK_RETRY_BASE_S": "0.5",
+        # The tests' receivers listen on loopback, which only an operator can allow.
+        "TUNEYARD_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
         # Runs may ask for tracking: MLflow's SQLite store needs no server (tests/worker/
         # test_tracking.py tests against a real one), W&B offline writes under WANDB_DIR.
         "TUNEYARD_MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
@@ -182,13 +188,16 @@ def make_service(
     env.pop("TUNEYARD_DATABASE_URL", None)
     if database_url:
         env["TUNEYARD_DATABASE_URL"] = database_url
-    key = subprocess.run(
+    created = subprocess.run(
         [sys.executable, "-m", "app", "keys", "create", "--name", "e2e"],
         env=env,
         check=True,
         capture_output=True,
         text=True,
-    ).stdout.strip()
+    )
+    key = created.stdout.strip()
+    [shown] = [line for line in created.stderr.splitlines() if WEBHOOK_SECRET_LABEL in line]
+    webhook_secret = shown.split(WEBHOOK_SECRET_LABEL, 1)[1].strip()
     http = httpx.Client(
         base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=30
     )
@@ -200,6 +209,7 @@ def make_service(
         log_path=home / "service.log",
         env=env,
         api_key=key,
+        webhook_secret=webhook_secret,
     )
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,16 +82,33 @@ def browser() -> Iterator[Any]:
         browser.close()
 
 
+# Refused on purpose: ReDoc's bundle shows its maker's logo from its CDN, which the page's
+# policy keeps it from loading (app/api/dashboard.py).
+_REFUSED_ON_PURPOSE = "https://cdn.redoc.ly/"
+
+
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    """A fresh tab (so no key yet); fails the test on any uncaught script error."""
+    """A fresh tab (so no key yet); fails the test on any uncaught script error, and on
+    anything a page's Content-Security-Policy refused (Chromium reports each on the
+    console), as a script or style inline would be."""
     context = browser.new_context(viewport=VIEWPORT)
     tab = context.new_page()
     errors: list[str] = []
     tab.on("pageerror", lambda error: errors.append(str(error)))
+    refused: list[str] = []
+    tab.on(
+        "console",
+        lambda message: (
+            refused.append(message.text)
+            if "Content Security Policy" in message.text and _REFUSED_ON_PURPOSE not in message.text
+            else None
+        ),
+    )
     yield tab
     context.close()
     assert not errors, errors
+    assert not refused, refused
 
 
 def open_with_key(page: Any, service: Service, path: str) -> None:
@@ -106,6 +124,15 @@ def open_with_key(page: Any, service: Service, path: str) -> None:
 def screenshot(page: Any, name: str) -> None:
     SCREENSHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"dashboard-{name}.png"))
+
+
+def wait_until(page: Any, expression: str, timeout: float = 30_000) -> None:
+    """`page.wait_for_function`, polled from here: its polling evaluates the expression as a
+    string inside the page, which the pages' policy refuses (no 'unsafe-eval')."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout / 1000:.0f} s: {expression}"
+        page.wait_for_timeout(100)
 
 
 def points(page: Any, chart: str) -> int:
@@ -137,14 +164,13 @@ def test_a_wrong_key_is_refused_and_the_list_shows_the_runs(
     # A metadata filter narrows the list, and lives in the address.
     page.fill("#filters input[name=metadata]", "run=short")
     page.click("#filters button[type=submit]")
-    page.wait_for_function(
-        "document.querySelectorAll('#runs tbody tr').length === 1", timeout=10_000
-    )
+    wait_until(page, "document.querySelectorAll('#runs tbody tr').length === 1", timeout=10_000)
     assert "metadata.run=short" in page.url
     page.goto(service.base_url + "/")  # the key is kept for the tab: no prompt this time
     page.locator(f'tr[data-run-id="{long_run["id"]}"]').wait_for()
     assert not page.locator("#key-dialog").is_visible()
-    page.wait_for_function(  # the loss column fills in as the runs train
+    wait_until(
+        page,  # the loss column fills in as the runs train
         "[...document.querySelectorAll('.loss-value')].some(e => /\\d/.test(e.textContent))",
         timeout=180_000,
     )
@@ -157,11 +183,12 @@ def test_the_run_page_draws_the_loss_live_and_cancels_the_run(
     service: Service, page: Any, long_run: dict[str, Any]
 ) -> None:
     open_with_key(page, service, f"/runs/{long_run['id']}")
-    page.wait_for_function(
-        "Number(document.querySelector('#chart-loss').dataset.points) > 0", timeout=240_000
+    wait_until(
+        page, "Number(document.querySelector('#chart-loss').dataset.points) > 0", timeout=240_000
     )
     first = points(page, "loss")
-    page.wait_for_function(
+    wait_until(
+        page,
         f"Number(document.querySelector('#chart-loss').dataset.points) > {first}",
         timeout=60_000,
     )
@@ -169,11 +196,9 @@ def test_the_run_page_draws_the_loss_live_and_cancels_the_run(
     assert points(page, "learning_rate") > 0 and points(page, "tokens_per_second") > 0
     # The request as submitted, and what /validate resolves it to.
     assert json.loads(page.locator("#spec").inner_text())["training"]["max_steps"] == LONG_STEPS
-    page.wait_for_function("document.querySelector('#resolved').textContent.includes('zero')")
+    wait_until(page, "document.querySelector('#resolved').textContent.includes('zero')")
     page.locator("#events li").first.wait_for()
-    page.wait_for_function(
-        "!document.querySelector('#log').textContent.startsWith('…')", timeout=30_000
-    )
+    wait_until(page, "!document.querySelector('#log').textContent.startsWith('…')", timeout=30_000)
     screenshot(page, "run")
 
     page.click("#cancel")
@@ -192,13 +217,13 @@ def test_a_finished_run_shows_its_checkpoints_model_and_log(
     open_with_key(page, service, f"/runs/{run['id']}")
     page.locator("#run-status .status-succeeded").wait_for()
     assert page.locator("#cancel").is_disabled()
-    page.wait_for_function(
-        f"Number(document.querySelector('#chart-loss').dataset.points) === {SHORT_STEPS}"
+    wait_until(
+        page, f"Number(document.querySelector('#chart-loss').dataset.points) === {SHORT_STEPS}"
     )
     checkpoints = service.http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]
     table = page.locator("#checkpoints tbody")
-    page.wait_for_function(
-        f"document.querySelectorAll('#checkpoints tbody tr').length === {len(checkpoints)}"
+    wait_until(
+        page, f"document.querySelectorAll('#checkpoints tbody tr').length === {len(checkpoints)}"
     )
     for checkpoint in checkpoints:
         assert checkpoint["path"] in table.inner_text()
@@ -207,7 +232,7 @@ def test_a_finished_run_shows_its_checkpoints_model_and_log(
     assert f"tuneyard download {run['id']}" in model
     events = page.locator("#events").inner_text()
     assert "queued" in events and "succeeded" in events
-    page.wait_for_function("document.querySelector('#log').textContent.includes('tuneyard')")
+    wait_until(page, "document.querySelector('#log').textContent.includes('tuneyard')")
     assert "\x1b[" not in page.locator("#log").inner_text()
 
 
@@ -218,8 +243,8 @@ def test_compare_overlays_the_loss_of_two_runs(
     assert short["status"] == "succeeded", short["error"]
     service.wait_terminal(long_run["id"], timeout_s=120)
     open_with_key(page, service, f"/compare?runs={long_run['id']},{short_run['id']}")
-    page.wait_for_function(
-        "document.querySelectorAll('#compare-table tbody tr').length === 2", timeout=30_000
+    wait_until(
+        page, "document.querySelectorAll('#compare-table tbody tr').length === 2", timeout=30_000
     )
     legend = page.locator("#chart-compare .u-legend").inner_text()
     assert long_run["id"] in legend and short_run["id"] in legend
@@ -233,8 +258,8 @@ def test_submit_lists_problems_by_field_then_creates_the_run(
 ) -> None:
     open_with_key(page, service, "/submit")
     # Prefilled with one of the API's examples, and checked at once.
-    page.wait_for_function("document.querySelector('#editor').value.includes('model')")
-    page.wait_for_function("!document.querySelector('#validity').textContent.includes('…')")
+    wait_until(page, "document.querySelector('#editor').value.includes('model')")
+    wait_until(page, "!document.querySelector('#validity').textContent.includes('…')")
 
     bad = _request(tiny_model_dir, dataset, steps=SHORT_STEPS, name="form")
     bad["training"]["learning_rate"] = -1
@@ -259,3 +284,23 @@ def test_submit_lists_problems_by_field_then_creates_the_run(
     assert run["metadata"] == {"test": "dashboard", "run": "form"}
     service.http.post(f"/v1/runs/{run_id}/cancel")  # its training is not what is tested here
     service.wait_terminal(run_id, timeout_s=120)
+
+
+def test_the_api_docs_work_under_their_policies(service: Service, page: Any) -> None:
+    """Swagger UI (the pages' policy: nothing inline) and ReDoc (its own) render the API and
+    answer from it; the fixture fails the test on anything either policy refused."""
+    page.goto(service.base_url + "/docs")
+    page.locator(".swagger-ui .info .title").wait_for()
+    assert "tuneyard" in page.locator(".swagger-ui .info .title").inner_text()
+    page.locator(".opblock-summary-path", has_text="/healthz").first.click()
+    page.locator("button.try-out__btn").first.click()
+    page.locator("button.execute").first.click()
+    page.locator(".live-responses-table tbody .response-col_status").first.wait_for()
+    assert (
+        page.locator(".live-responses-table tbody .response-col_status").first.inner_text() == "200"
+    )
+
+    page.goto(service.base_url + "/redoc")
+    page.locator("h1", has_text="tuneyard").wait_for()
+    page.locator("input[placeholder='Search...']").fill("cancel")
+    page.locator("[data-role='search:results'] li", has_text="Cancel a run").wait_for()

@@ -150,7 +150,9 @@ def test_priority_and_fair_share_order_the_queue_and_a_key_at_its_quota_waits(
     reason = _until("the urgent run's reason", lambda: _get(alice, urgent)["queue"]["reason"])
     assert reason.startswith("waiting for cluster resources (needs 1 CPU, 0 CPUs free)"), reason
     behind = _get(bob, b1)["queue"]["reason"]
-    assert behind.startswith(f"behind higher priority (run {urgent}, priority 80"), behind
+    # Alice's run, as Bob is told of it: by its priority, never its id.
+    assert behind.startswith("behind higher priority (another key's run, priority 80"), behind
+    assert urgent not in behind
 
     # Once the blocker is done: the urgent run and Bob's first start together (the two
     # slots of the cluster), ahead of Alice's older runs; Bob's second waits for his quota.
@@ -193,10 +195,11 @@ def test_a_higher_priority_run_preempts_a_lower_one_which_resumes_without_a_gap(
 
     reason = _until(
         "the preemption",
-        lambda: "preempting run" in (reason := _reason(high_key, high)) and reason,
+        lambda: "preempting" in (reason := _reason(high_key, high)) and reason,
     )
     assert reason.startswith("waiting for cluster resources (needs 2 CPUs"), reason
-    assert reason.endswith(f"preempting run {low}"), reason
+    # The two runs are two keys': each is told of the other's by its priority only.
+    assert reason.endswith("preempting another key's run"), reason
 
     def back_in_queue() -> dict[str, Any] | None:
         run = _get(low_key, low)
@@ -216,7 +219,8 @@ def test_a_higher_priority_run_preempts_a_lower_one_which_resumes_without_a_gap(
     events = low_key.get(f"/v1/runs/{low}/events", params={"limit": 1000}).json()["data"]
     preempted = [e for e in events if e["type"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["attempt"] == 1, events
-    assert f"run {high} (priority 90) needs its resources" in preempted[0]["message"]
+    assert "another key's run (priority 90) needs its resources" in preempted[0]["message"]
+    assert high not in preempted[0]["message"]
     stopped_at = int(preempted[0]["message"].split("preempted at step ")[1].split(":")[0])
     assert 1 <= stopped_at < steps
     # The checkpoint was taken at the step it stopped: the second attempt's first step is

@@ -52,10 +52,13 @@ export function parallelism(spec) {
 export function progressBar(progress) {
   const fraction = progress?.fraction ?? 0;
   const label = progress?.total_steps ? `${progress.step}/${progress.total_steps}` : `${progress?.step ?? 0}`;
+  // The width through the element's style object: the pages' policy refuses style attributes.
+  const fill = el("div", { class: "progress-fill" });
+  fill.style.width = `${Math.round(fraction * 100)}%`;
   return el(
     "div",
     { class: "progress", title: label },
-    el("div", { class: "progress-fill", style: `width: ${Math.round(fraction * 100)}%` }),
+    fill,
     el("span", { class: "progress-label" }, label),
   );
 }
