@@ -418,7 +418,8 @@ def webhook_url_problem(value: str) -> str | None:
         )
     if url.port is not None and not 1 <= url.port <= 65535:
         return f"{_shown(value)}: port {url.port} is not within 1..65535"
-    if not _is_host(url.host):
+    # The host as it goes on the wire: an IDN's punycode (httpx's `host` decodes it).
+    if not _is_host(url.raw_host.decode("ascii", "replace")):
         return f"{_shown(value)}: {url.host!r} is neither a host name nor an IP address"
     return None
 

@@ -39,12 +39,12 @@ class ValidateRequest(RunRequest):
     )
 
     def run_request(self) -> RunRequest:
-        """The run request alone, as `POST /v1/runs` would take it."""
-        # A priority left out stays left out: the key's default decides it (app/services/queue.py).
-        unset = set() if "priority" in self.model_fields_set else {"priority"}
+        """The run request alone, as `POST /v1/runs` would take it: what was left out
+        stays left out (rules read that: a priority the key's default decides, a tracking
+        name a key's prefix gives; app/services/queue.py, tracking_rules.py)."""
         return RunRequest.model_validate(
             self.model_dump(
-                mode="json", exclude={"profile", "profile_steps", *unset}, by_alias=True
+                mode="json", exclude={"profile", "profile_steps"}, by_alias=True, exclude_unset=True
             )
         )
 

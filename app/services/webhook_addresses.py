@@ -23,6 +23,7 @@ import ipaddress
 import re
 import socket
 import ssl
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as ResolveTimeout
@@ -122,6 +123,9 @@ def address_kind(address: IPAddress) -> str | None:
         ("unspecified", reached.is_unspecified),
         ("shared (100.64.0.0/10)", reached in _SHARED),
         ("private", reached.is_private),
+        # fec0::/10, deprecated (RFC 3879) yet still routed inside some networks, which
+        # Python counts as global.
+        ("site-local", isinstance(reached, ipaddress.IPv6Address) and reached.is_site_local),
         ("reserved", reached.is_reserved),
         ("non-public", not reached.is_global),
     ):
@@ -239,9 +243,12 @@ class GuardedBackend(httpcore.NetworkBackend):
     second lookup can answer differently. httpcore then starts TLS on that socket with the
     URL's host as the server name (SNI, certificate check), and the request keeps its Host."""
 
-    def __init__(self, policy: AddressPolicy) -> None:
+    def __init__(self, policy: AddressPolicy, *, total_s: float | None = None) -> None:
+        """`total_s`: how long one connection may take in all, from connect to the answer's
+        last byte read (each connection carries one delivery: see guarded_transport)."""
         self._policy = policy
         self._system = httpcore.SyncBackend()
+        self._total_s = total_s
 
     def connect_tcp(
         self,
@@ -255,14 +262,17 @@ class GuardedBackend(httpcore.NetworkBackend):
             addresses = checked_addresses(host, port, self._policy)
         except (OSError, UnicodeError) as exc:  # the name does not resolve
             raise httpcore.ConnectError(str(exc)) from exc
+        deadline = None if self._total_s is None else time.monotonic() + self._total_s
         error: Exception | None = None
         for address in addresses[:MAX_ADDRESSES_TRIED]:
             try:
-                return self._system.connect_tcp(
-                    str(address), port, timeout, local_address, socket_options
+                stream = self._system.connect_tcp(
+                    str(address), port, _within(timeout, deadline), local_address, socket_options
                 )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc
+                continue
+            return stream if deadline is None else DeadlineStream(stream, deadline)
         assert error is not None
         raise error
 
@@ -275,19 +285,62 @@ class GuardedBackend(httpcore.NetworkBackend):
         self._system.sleep(seconds)
 
 
+def _within(timeout: float | None, deadline: float | None) -> float | None:
+    """An operation's timeout, cut to what is left before `deadline` (ReadTimeout if
+    nothing is)."""
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise httpcore.ReadTimeout("the delivery's time is up")
+    return left if timeout is None else min(timeout, left)
+
+
+class DeadlineStream(httpcore.NetworkStream):
+    """A connection with a deadline for all it does: httpx's timeouts bound each read and
+    write, so a receiver that answers a byte at a time would hold a send thread for as
+    long as it liked."""
+
+    def __init__(self, stream: httpcore.NetworkStream, deadline: float) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _within(timeout, self._deadline))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _within(timeout, self._deadline))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        tls = self._stream.start_tls(ssl_context, server_hostname, _within(timeout, self._deadline))
+        return DeadlineStream(tls, self._deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
 def guarded_transport(
-    policy: AddressPolicy, *, verify: ssl.SSLContext | bool = True
+    policy: AddressPolicy, *, verify: ssl.SSLContext | bool = True, total_s: float | None = None
 ) -> httpx.HTTPTransport:
-    """An httpx transport whose every connection meets the rule, made anew on each
-    connection. Environment proxies are not used: a proxy would resolve the name itself."""
+    """An httpx transport whose every connection meets the rule, made anew for each request
+    (no keep-alive: the checked address and the deadline are a connection's), and takes
+    at most `total_s` in all. Environment proxies are not used: a proxy would resolve the
+    name itself."""
     transport = httpx.HTTPTransport(verify=verify, trust_env=False)
     # httpx's transport takes no network backend but sends through its httpcore pool: the
-    # same pool (httpx's default limits), made with the guarded backend.
+    # same pool, made with the guarded backend.
     transport._pool = httpcore.ConnectionPool(
         ssl_context=httpx.create_ssl_context(verify=verify, trust_env=False),
         max_connections=100,
-        max_keepalive_connections=20,
-        keepalive_expiry=5.0,
-        network_backend=GuardedBackend(policy),
+        max_keepalive_connections=0,
+        network_backend=GuardedBackend(policy, total_s=total_s),
     )
     return transport

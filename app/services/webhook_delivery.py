@@ -139,7 +139,9 @@ class WebhookDeliverer(TickLoop):
         # and a proxy resolves the name itself).
         policy = AddressPolicy.parse(settings.webhook_allowed_networks)
         self._http = httpx.Client(
-            transport=guarded_transport(policy, verify=verify), trust_env=False, **options
+            transport=guarded_transport(policy, verify=verify, total_s=settings.webhook_timeout_s),
+            trust_env=False,
+            **options,
         )
         # Service-wide subscribers are the operator's choice, on its own network maybe: no
         # address rule, and the environment's proxies as for any client.
@@ -157,27 +159,35 @@ class WebhookDeliverer(TickLoop):
         self._operator_http.close()
 
     def tick(self) -> int:
-        """Send every delivery due now, each once; how many were attempted. A retry falls
-        due after now, so it waits for a later tick. As each send ends, its key has room
-        again and more is claimed: a key's slow receiver holds its own share of the
-        threads while the others' deliveries go on."""
-        due_by = utcnow()
-        attempted = 0
+        """Send every delivery due, each once; how many were attempted. As each send ends,
+        its key has room again and more is claimed, of what is due by then: a key's slow
+        receiver holds its own share of the threads while the others' deliveries go on,
+        those that fell due while it was slow included. A delivery retried within the tick
+        waits for a later one."""
+        attempted: set[str] = set()
         in_flight: dict[Future[None], Claimed] = {}
         while True:
             room = SEND_THREADS - len(in_flight)
             claimed: list[Claimed] = []
             if room and not self._stop.is_set():
                 busy = Counter(delivery.owner for delivery in in_flight.values())
-                claimed = self.claim_due(due_by=due_by, limit=room, busy=busy)
+                claimed = self.claim_due(
+                    due_by=utcnow(), limit=room, busy=busy, skip=frozenset(attempted)
+                )
                 for delivery in claimed:
                     in_flight[self._pool.submit(self._deliver, delivery)] = delivery
-                attempted += len(claimed)
+                attempted.update(delivery.id for delivery in claimed)
             if not in_flight:
-                return attempted
+                return len(attempted)
             if claimed:
                 continue  # a key whose share is now taken leaves room for the next key's
-            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            # Woken by a send that ends, or by the poll interval: what fell due meanwhile
+            # (another key's) is claimed while this key's slow sends go on.
+            done, _ = wait(
+                in_flight,
+                timeout=self.settings.webhook_poll_interval_s,
+                return_when=FIRST_COMPLETED,
+            )
             for future in done:
                 delivery = in_flight.pop(future)
                 if not future.cancelled() and (exc := future.exception()) is not None:
@@ -192,15 +202,23 @@ class WebhookDeliverer(TickLoop):
     # -- claim, send, record ------------------------------------------------------------
 
     def claim_due(
-        self, *, due_by: datetime, limit: int, busy: Mapping[str, int] | None = None
+        self,
+        *,
+        due_by: datetime,
+        limit: int,
+        busy: Mapping[str, int] | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> list[Claimed]:
-        """Claim up to `limit` deliveries due by `due_by`, oldest first, and of each owner
-        key no more than SENDS_PER_OWNER less its `busy` ones (in flight here already)."""
+        """Claim up to `limit` deliveries due by `due_by`, oldest first, none of `skip`, and
+        of each owner key no more than SENDS_PER_OWNER less its `busy` ones (in flight here
+        already)."""
         busy = busy or {}
         room = {owner: SENDS_PER_OWNER - n for owner, n in busy.items()}
         lapse = utcnow() + timedelta(seconds=self.settings.webhook_timeout_s + CLAIM_MARGIN_S)
         owner = func.coalesce(Run.owner_id, "")
         due = [WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= due_by]
+        if skip:
+            due.append(WebhookDelivery.id.not_in(skip))
         if full := [key for key, left in room.items() if left <= 0]:
             # The rows of keys whose share is taken stay for a later claim, and the rows
             # behind them, other keys', are claimed now.
@@ -316,16 +334,20 @@ class WebhookDeliverer(TickLoop):
         }
         client = self._operator_http if delivery.service_wide else self._http
         try:
-            response = client.post(delivery.url, content=body, headers=headers)
+            # The answer's status is all a delivery needs: its body is never read (a
+            # receiver's endless body would fill the service's memory), and closing the
+            # answer unread closes its connection.
+            with client.stream("POST", delivery.url, content=body, headers=headers) as response:
+                status = response.status_code
         except AddressRefused:
             return Outcome(None, REFUSED)
         except httpx.TimeoutException:
             return Outcome(None, TIMED_OUT)
         except httpx.TransportError:
             return Outcome(None, CONNECTION_FAILED)
-        if 200 <= response.status_code < 300:
-            return Outcome(response.status_code, None)
-        return Outcome(response.status_code, f"HTTP {response.status_code}")
+        if 200 <= status < 300:
+            return Outcome(status, None)
+        return Outcome(status, f"HTTP {status}")
 
     def _record(self, delivery: Claimed, outcome: Outcome) -> None:
         now = utcnow()

@@ -71,3 +71,51 @@ def test_the_shared_queue_revision_counts_the_gpus_of_runs_not_done(
         gpus = dict(conn.execute(text("SELECT id, gpus FROM runs")).all())
     engine.dispose()
     assert gpus == {"run_gpu": 8, "run_cpu": 0, "run_done": 0}
+
+
+def test_the_tenant_isolation_revision_keeps_the_operators_deliveries_the_operators(
+    empty_database: str,
+) -> None:
+    """A delivery queued before the upgrade to a URL that is not one of its run's own hooks
+    went to a service-wide subscriber: it stays signed with the service's secret and listed
+    to no tenant. Keys made before keep no secret of their own (their receivers verify the
+    service's, as before) until rotated."""
+    command.upgrade(alembic_config(empty_database), "c4a7e1f9d2b8")  # the revision before
+    engine = create_engine(empty_database)
+    spec = '{"webhooks": [{"url": "https://tenant.example/hook"}]}'
+    now = "2026-11-01 00:00:00+00"
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO api_keys (id, name, key_hash, created_at) "
+                "VALUES ('key_1', 'old', 'h', :now)"
+            ),
+            {"now": now},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO runs (id, owner_id, status, attempt, spec, metadata, step, "
+                "latest_metrics, created_at, updated_at, queued_at) VALUES ('run_1', 'key_1', "
+                "'cancelled', 1, :spec, '{}', 0, '{}', :now, :now, :now)"
+            ),
+            {"spec": spec, "now": now},
+        )
+        for delivery_id, url in (
+            ("whd_own", "https://tenant.example/hook"),
+            ("whd_operator", "https://ops.example/all-runs"),
+        ):
+            conn.execute(
+                text(
+                    "INSERT INTO webhook_deliveries (id, run_id, event, url, payload, status, "
+                    "attempts, next_attempt_at, created_at) VALUES (:id, 'run_1', "
+                    "'run.cancelled', :url, '{}', 'pending', 0, :now, :now)"
+                ),
+                {"id": delivery_id, "url": url, "now": now},
+            )
+    upgrade_database(empty_database)
+    with engine.connect() as conn:
+        wide = dict(conn.execute(text("SELECT id, service_wide FROM webhook_deliveries")).all())
+        secret = conn.execute(text("SELECT webhook_secret FROM api_keys")).scalar_one()
+    engine.dispose()
+    assert {k: bool(v) for k, v in wide.items()} == {"whd_own": False, "whd_operator": True}
+    assert secret is None

@@ -7,12 +7,18 @@ whole tick. Nothing of the batch was recorded: the bad rows stayed `pending` for
 `max_attempts` (which only the recording checked), and another tenant's delivery in the
 same batch reached its receiver, was answered 200, was never recorded, and was sent again
 and again. And with one pool of four send threads, a tenant whose receivers hang held every
-thread. These tests try: such a URL at creation; rows that raise, beside another tenant's
-row, in one tick; a claim that lapsed on its last attempt; and a tenant's slow receivers
-beside another tenant's fast one."""
+thread. The review of the fix found two more ways: httpx's timeout bounds each read, not a
+send, so a receiver answering a byte at a time held its thread for ever, and the tick
+claimed only what was due when it began, so nothing else went out until it ended; and the
+answer's body was read whole, so a receiver's endless body filled the service's memory.
+These tests try: such a URL at creation; rows that raise, beside another tenant's row, in
+one tick; a claim that lapsed on its last attempt; a tenant's slow receivers beside another
+tenant's fast one; receivers that trickle their answer's head or send an endless body; and
+another tenant's delivery that falls due while a tick is held by them."""
 
 from __future__ import annotations
 
+import socketserver
 import threading
 import time
 from collections.abc import Iterator
@@ -202,3 +208,87 @@ def test_a_tenants_slow_receivers_hold_its_own_share_of_the_threads(
 def receiver_b() -> Iterator[Receiver]:
     with receiving() as recorder:
         yield recorder
+
+
+class _Trickling(socketserver.BaseRequestHandler):
+    """Answers a request a byte every 0.1 s: the head (`server.head_only`), or a head that
+    promises 10 GB and then the body."""
+
+    def handle(self) -> None:
+        self.request.recv(65536)
+        self.server.connections += 1  # type: ignore[attr-defined]
+        if self.server.head_only:  # type: ignore[attr-defined]
+            answer = b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"a" * 10_000
+        else:
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000000000\r\n\r\n")
+            answer = b"x" * 10_000
+        try:
+            for i in range(len(answer)):
+                self.request.sendall(answer[i : i + 1])
+                time.sleep(0.1)
+        except OSError:
+            return  # the deliverer hung up: what the tests want
+
+
+@pytest.fixture(params=["head", "body"])
+def trickling(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """A trickling receiver: (its URL, what it trickles)."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Trickling)
+    server.daemon_threads = True
+    server.head_only = request.param == "head"  # type: ignore[attr-defined]
+    server.connections = 0  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", request.param
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_receiver_that_trickles_its_answer_holds_a_send_no_longer_than_the_timeout(
+    client: TestClient,
+    auth: dict[str, str],
+    other: dict[str, str],
+    tmp_path: Path,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+    receiver_b: Receiver,
+    trickling: tuple[str, str],
+) -> None:
+    """Tenant A's receivers answer a byte at a time, each read well within httpx's read
+    timeout: the head never ends, or a 10 GB body follows it. Each send ends by the
+    timeout (1.5 s) in all; a head that never ends is recorded as timed out, a 200 whose
+    body is endless as delivered at once, its body unread. Tenant B's delivery, made while
+    A's trickling heads hold the tick, goes out before they end."""
+    timeout_s = 1.5
+    deliverer = WebhookDeliverer(
+        settings=with_webhooks(settings, webhook_timeout_s=timeout_s),
+        session_factory=session_factory,
+    )
+    url, trickled = trickling
+    hooks_a = [{"url": f"{url}/{i}"} for i in range(SENDS_PER_OWNER)]
+    run_a = cancelled_run(client, auth, tmp_path, hooks_a)
+    started = time.monotonic()
+    ticking = threading.Thread(target=deliverer.tick)
+    ticking.start()
+    try:
+        if trickled == "head":
+            time.sleep(0.3)  # A's sends are under way (the receiver holds them)...
+            run_b = cancelled_run(client, other, tmp_path, [{"url": receiver_b.url}])
+            while not receiver_b.received:  # ...and B's, due after the tick began, goes out
+                assert time.monotonic() - started < timeout_s, "B waited for A's sends"
+                time.sleep(0.01)
+    finally:
+        ticking.join(timeout=60)
+        deliverer.stop()
+    assert not ticking.is_alive()
+    # One round of A's sends, each cut at the timeout (not the receiver's 1,000 s).
+    assert time.monotonic() - started < timeout_s + 3
+    outcomes = {(d["status"], d["last_error"]) for d in deliveries(client, run_a, auth)}
+    if trickled == "head":
+        # Retried later (max_attempts 3); timed out is what it records.
+        assert outcomes == {("pending", "timed out")}, outcomes
+        assert [d["status"] for d in deliveries(client, run_b, other)] == ["delivered"]
+    else:
+        assert outcomes == {("delivered", None)}, outcomes

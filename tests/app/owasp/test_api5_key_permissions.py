@@ -179,6 +179,12 @@ class TestTrackingDestinationsArePinned:
         # As the worker will read it: stored so.
         stored = client.get(f"/v1/runs/{run.json()['id']}", headers=team_a).json()
         assert stored["spec"]["tracking"]["wandb"]["project"] == "team-a-tuneyard"
+        # Validate answers what create does: unset names are not the tenant's choice.
+        checked = client.post(
+            "/v1/runs/validate", json=run_request(tmp_path, tracking=named), headers=team_a
+        )
+        assert checked.status_code == 200, checked.text
+        assert checked.json()["valid"] is True, checked.json()
 
     def test_the_wandb_entity_is_pinned(
         self, client: TestClient, tmp_path: Path, session_factory: sessionmaker[Session]

@@ -57,6 +57,7 @@ FORBIDDEN = [
     "http://metadata.google.internal/computeMetadata/v1/",
     "http://[fd00::1]/",
     "http://[fe80::1]/",
+    "http://[fec0::1]/",  # site-local: deprecated, and global to Python's ipaddress
     "http://224.0.0.1/",
     "http://[ff02::1]/",
     "http://0.0.0.0/",
@@ -130,7 +131,13 @@ def test_every_form_of_an_internal_address_is_refused_when_the_run_is_made(
 
     # A public name is taken; so is one that does not resolve now (the deliverer checks
     # every connection, which is the guard).
-    for url in ("https://hooks.example.test/a", "https://not-yet.example.test/b"):
+    # An internationalised name too, as httpx writes it on the wire (punycode) or not.
+    for url in (
+        "https://hooks.example.test/a",
+        "https://not-yet.example.test/b",
+        "https://münchen.example.test/c",
+        "https://xn--mnchen-3ya.example.test/d",
+    ):
         body = run_request(tmp_path, webhooks=[{"url": url}])
         assert client.post("/v1/runs", json=body, headers=auth).status_code == 201, url
 
