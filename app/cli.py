@@ -512,7 +512,34 @@ def keys_create(
     from app.errors import ValidationFailed
     from app.services.api_keys import issue_api_key
 
-    limits = {
+    limits = _key_settings(
+        max_running_runs,
+        max_queued_runs,
+        max_gpus,
+        max_priority,
+        allow_non_preemptible,
+        tracking_prefix,
+        wandb_entity,
+    )
+    try:
+        issued = issue_api_key(_settings().resolved_database_url, name=name, limits=limits)
+    except ValidationFailed as exc:
+        _refused(exc)
+    typer.echo(issued.secret)
+    err.print(f"{WEBHOOK_SECRET_LABEL} {issued.webhook_secret}", markup=False, highlight=False)
+
+
+def _key_settings(
+    max_running_runs: str | None,
+    max_queued_runs: str | None,
+    max_gpus: str | None,
+    max_priority: str | None,
+    allow_non_preemptible: bool | None,
+    tracking_prefix: str | None,
+    wandb_entity: str | None,
+) -> dict[str, Any]:
+    """A key's limits and permissions as `keys create` and `keys update` both take them."""
+    return {
         **_limits(
             max_running_runs=max_running_runs,
             max_queued_runs=max_queued_runs,
@@ -523,12 +550,6 @@ def keys_create(
             allow_non_preemptible, tracking_prefix=tracking_prefix, wandb_entity=wandb_entity
         ),
     }
-    try:
-        issued = issue_api_key(_settings().resolved_database_url, name=name, limits=limits)
-    except ValidationFailed as exc:
-        _refused(exc)
-    typer.echo(issued.secret)
-    err.print(f"{WEBHOOK_SECRET_LABEL} {issued.webhook_secret}", markup=False, highlight=False)
 
 
 # How `keys create` labels the webhook signing secret on stderr (scripts look for it).
@@ -573,17 +594,15 @@ def keys_update(
     from app.errors import Conflict, NotFound, ValidationFailed
     from app.services.api_keys import update_api_key_in
 
-    limits = {
-        **_limits(
-            max_running_runs=max_running_runs,
-            max_queued_runs=max_queued_runs,
-            max_gpus=max_gpus,
-            max_priority=max_priority,
-        ),
-        **_permissions(
-            allow_non_preemptible, tracking_prefix=tracking_prefix, wandb_entity=wandb_entity
-        ),
-    }
+    limits = _key_settings(
+        max_running_runs,
+        max_queued_runs,
+        max_gpus,
+        max_priority,
+        allow_non_preemptible,
+        tracking_prefix,
+        wandb_entity,
+    )
     try:
         updated = update_api_key_in(_settings().resolved_database_url, ref=key, limits=limits)
     except NotFound as exc:
