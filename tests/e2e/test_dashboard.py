@@ -253,17 +253,23 @@ def test_a_finished_run_shows_its_checkpoints_model_and_log(
 def test_compare_overlays_the_loss_of_two_runs(
     service: Service, page: Any, long_run: dict[str, Any], short_run: dict[str, Any]
 ) -> None:
-    short = service.wait_terminal(short_run["id"], timeout_s=300)
+    short = service.wait_terminal(short_run["id"], timeout_s=600)
     assert short["status"] == "succeeded", short["error"]
-    service.wait_terminal(long_run["id"], timeout_s=120)
+    long_steps = service.wait_terminal(long_run["id"], timeout_s=300)["progress"]["step"]
     open_with_key(page, service, f"/compare?runs={long_run['id']},{short_run['id']}")
     wait_until(
         page, "document.querySelectorAll('#compare-table tbody tr').length === 2", timeout=30_000
     )
+    # Both curves, all steps: the rows come first, the metrics they are drawn from after
+    # (later still with the machine's cores busy), so the chart is awaited, not read at once.
+    wait_until(
+        page,
+        "Number(document.querySelector('#chart-compare').dataset.points) >= "
+        f"{SHORT_STEPS + long_steps - 2}",
+        timeout=60_000,
+    )
     legend = page.locator("#chart-compare .u-legend").inner_text()
     assert long_run["id"] in legend and short_run["id"] in legend
-    long_steps = service.http.get(f"/v1/runs/{long_run['id']}").json()["progress"]["step"]
-    assert points(page, "compare") >= SHORT_STEPS + long_steps - 2  # both curves, all steps
     screenshot(page, "compare")
 
 
