@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -30,9 +30,9 @@ from app.api.deps import (
 )
 from app.api.openai_compat import speaks_openai
 from app.models import File
-from app.schemas.errors import error_responses
+from app.schemas.errors import ErrorResponse, error_responses
 from app.schemas.file_view import FileList, FileView
-from app.schemas.openai_shapes import FileDeleted, OpenAIFile, OpenAIFileList
+from app.schemas.openai_shapes import FileDeleted, OpenAIError, OpenAIFile, OpenAIFileList
 from app.schemas.security_schemes import api_key
 from app.services import files
 from app.services.file_checks import RecordChecks, checks_for
@@ -49,6 +49,15 @@ router = APIRouter(
 _UNAUTHORIZED = "Missing or invalid API key"
 
 T = TypeVar("T")
+
+
+def _errors(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """Both clients call these routes, each getting its own error shape
+    (app/api/openai_compat.py); OpenAI's get a broken rule as a 400, as OpenAI answers it."""
+    if 422 in descriptions:
+        descriptions = {400: "A parameter or the body breaks a rule", **descriptions}
+    return error_responses(descriptions, model=ErrorResponse | OpenAIError)
+
 
 # Any text: an id no file can have (a NUL, which PostgreSQL refuses in text, a megabyte) is
 # a 404, as an unknown one is, and never reaches a query (app/models.py `is_minted`).
@@ -67,7 +76,7 @@ FileId = Annotated[str, Path(description="The file's id, as `POST /v1/files` ret
         "chat (OpenAI-style `messages`, .jsonl or .parquet) and preference (`prompt`, "
         "`chosen`, `rejected`)."
     ),
-    responses=error_responses(
+    responses=_errors(
         {
             400: "The multipart body cannot be parsed",
             401: _UNAUTHORIZED,
@@ -167,7 +176,7 @@ async def _admitted(request: Request, work: Callable[[], T]) -> T:
     summary="List your uploaded files",
     description="Newest first. `after` (or `cursor`): the last id of the previous page. "
     "OpenAI's SDKs get OpenAI's file objects.",
-    responses=error_responses(
+    responses=_errors(
         {
             401: _UNAUTHORIZED,
             404: "`after` names no file of yours",
@@ -212,7 +221,7 @@ def list_files(
     "/{file_id}",
     response_model=FileDeleted,
     summary="Delete an uploaded file that no unfinished run reads",
-    responses=error_responses(
+    responses=_errors(
         {
             401: _UNAUTHORIZED,
             404: "No such file (or not yours)",
@@ -239,7 +248,7 @@ def delete_file(
     "/{file_id}",
     response_model=FileView | OpenAIFile,
     summary="Get an uploaded file's record",
-    responses=error_responses(
+    responses=_errors(
         {
             401: _UNAUTHORIZED,
             404: "No such file (or not yours)",

@@ -4,6 +4,8 @@ The fine-tuning routes (`/v1/fine_tuning/...`) are OpenAI's alone. `/v1/files` s
 both clients: tuneyard's fields by default, OpenAI's (Unix timestamps, `purpose:
 "fine-tune"`, `{"error": {...}}`) for a request from one of OpenAI's SDKs, which all send
 the `X-Stainless-Lang` header, or one that says so itself with `OpenAI-Shapes: true`.
+Every other route is tuneyard's alone and answers in tuneyard's shapes whatever the headers
+say, as its document promises (an OpenAI SDK never calls them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from fastapi import Request
 
 OPENAI_ROUTES = "/v1/fine_tuning"
+SHARED_ROUTES = "/v1/files"
 SDK_HEADER = "x-stainless-lang"
 OPT_IN_HEADER = "openai-shapes"
 
@@ -29,11 +32,12 @@ _TYPE_OF_STATUS = {
 
 
 def speaks_openai(request: Request) -> bool:
-    return (
-        request.url.path.startswith(OPENAI_ROUTES)
-        or SDK_HEADER in request.headers
-        or request.headers.get(OPT_IN_HEADER, "").lower() == "true"
-    )
+    path = request.url.path
+    if path.startswith(OPENAI_ROUTES):
+        return True
+    if path != SHARED_ROUTES and not path.startswith(SHARED_ROUTES + "/"):
+        return False
+    return SDK_HEADER in request.headers or request.headers.get(OPT_IN_HEADER, "").lower() == "true"
 
 
 def openai_error(status_code: int, error: str, detail: object) -> tuple[int, dict[str, Any]]:

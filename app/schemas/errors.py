@@ -28,10 +28,11 @@ def error_responses(
     descriptions: dict[int, str],
     *,
     non_json_route: bool = False,
-    model: type[BaseModel] = ErrorResponse,
+    model: Any = ErrorResponse,
 ) -> dict[int | str, dict[str, Any]]:
     """FastAPI `responses=` for the given statuses, each documented with `ErrorResponse`
-    (or `model`: OpenAI's routes answer in OpenAI's error shape).
+    (or `model`, a model or a union of them: OpenAI's routes answer in OpenAI's error shape,
+    the routes both clients call in either).
 
     FastAPI files a response `model` under the route's own media type; a route that answers
     in plain text still answers errors in JSON, so it refers to the schema by name instead
