@@ -27,8 +27,9 @@ from app.cli_render import (
     runs_table,
     watch_run,
 )
-from app.client import TERMINAL, ApiError, TuneyardClient, Unreachable
+from app.client import ApiError, TuneyardClient, Unreachable
 from app.settings import Settings
+from contract.statuses import TERMINAL_STATUSES
 
 
 class ExitCode(IntEnum):
@@ -338,7 +339,7 @@ def logs(
             return
         printed: int | None = None
         while True:
-            ended = client.get_run(run_id)["status"] in TERMINAL
+            ended = client.get_run(run_id)["status"] in TERMINAL_STATUSES
             try:
                 lines = client.logs(run_id).splitlines()
             except ApiError as exc:

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from app.client import TERMINAL, TuneyardClient
+from app.client import TuneyardClient
+from contract.statuses import TERMINAL_STATUSES
 
 STATUS_STYLE = {
     "queued": "cyan",
@@ -250,7 +251,7 @@ def watch_run(
                 completed=progress["step"],
                 info=info,
             )
-            if run["status"] in TERMINAL:
+            if run["status"] in TERMINAL_STATUSES:
                 return run
             time.sleep(interval_s)
 

@@ -11,8 +11,6 @@ from typing import Any
 
 import httpx
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-
 
 class ApiError(Exception):
     """The service answered with an error; `detail` is its body's `detail`."""

@@ -43,7 +43,7 @@ from app.services.placement import ClusterView, placement_problems
 from app.services.queue import LIVE
 from app.services.tracking_rules import tracking_job_env
 from app.settings import Settings
-from app.status import RunStatus
+from contract.callbacks import EventType, FailureCode
 from contract.job_env import (
     CALLBACK_URL_ENV,
     CLUSTER_AUTOSCALES_ENV,
@@ -53,6 +53,7 @@ from contract.job_env import (
     TOKEN_ENV,
 )
 from contract.run_request import ResourcesSpec, RunSpec
+from contract.statuses import RunStatus
 
 log = logging.getLogger("tuneyard")
 
@@ -325,7 +326,7 @@ class Dispatcher(TickLoop):
             run_logger.error("Ray rejected the job: %s", exc)
             with self._locked(run_id) as (session, run):
                 if run is not None:
-                    failure = Failure("ray_rejected", f"Ray rejected the job: {exc}")
+                    failure = Failure(FailureCode.RAY_REJECTED, f"Ray rejected the job: {exc}")
                     lifecycle.settle(session, run, RunStatus.FAILED, failure=failure)
             return False
         if self.metrics is not None:
@@ -417,7 +418,10 @@ class Dispatcher(TickLoop):
                 return
             run.callback_token_hash = hash_secret(token)
             lifecycle.record_event(
-                session, run, type="message", message="Ray never received the job; resubmitting"
+                session,
+                run,
+                type=EventType.MESSAGE,
+                message="Ray never received the job; resubmitting",
             )
             runtime_env = build_runtime_env(run, token=token, settings=self.settings)
             sid = run.ray_submission_id

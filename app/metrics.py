@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Run
-from app.status import RunStatus
+from contract.statuses import RunStatus
 
 # Seconds from a run entering the queue to Ray accepting its job. It includes the wait for a
 # free slot under `max_concurrent_runs`, so the buckets reach into minutes.

@@ -29,8 +29,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from app.status import RunStatus
 from contract.run_request import RunDefinition
+from contract.statuses import RunStatus
 
 # Stable constraint names, so migrations can alter them on SQLite and PostgreSQL alike.
 NAMING_CONVENTION = {

@@ -478,7 +478,7 @@ def report_notes(
         f"{settings.seq_length} packed (every token trained), AdamW lr "
         f"{settings.learning_rate:g}, weight decay 0, {settings.steps} steps, the first "
         f"{settings.warmup_steps} left out of tokens/s. Both sides use one DeepSpeed config "
-        f"(worker.deepspeed_config.resolve_deepspeed_config) and the same packed examples in "
+        f"(contract.deepspeed_config.resolve_deepspeed_config) and the same packed examples in "
         f"the same order.",
         f"MFU = {per_token / 1e9:,.3f} GFLOP a token (PaLM: 6 N + 12 L h T) x tokens/s / peak.",
         "tokens/s: tokens of the timed steps / their wall-clock time; tuneyard's from the times "

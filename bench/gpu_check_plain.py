@@ -3,7 +3,7 @@ trained by a plain DeepSpeed script in one process, with no service, Ray or tune
 
 What it shares with the run on purpose, so that only the training machinery differs:
 the request it is given (validated by the same contract), the packed examples
-(worker.model_setup.prepare_examples), the DeepSpeed config (worker.deepspeed_config), the
+(worker.model_setup.prepare_examples), the DeepSpeed config (contract.deepspeed_config), the
 checkpoint's weights loaded in the dtype the run trains in, AdamW with one parameter group
 (the request sets weight_decay 0, which gives tuneyard one group too) and a
 DistributedSampler with the run's seed (one replica), so both see the same batches in the
@@ -49,13 +49,13 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
     from transformers.data.data_collator import default_data_collator
 
-    from contract.run_request import RunRequest, RunSpec
-    from worker.deepspeed_config import (
+    from contract.deepspeed_config import (
         hidden_size_of,
         resolve_deepspeed_config,
         resolve_precision,
         torch_dtype_name,
     )
+    from contract.run_request import RunRequest, RunSpec
     from worker.model_setup import prepare_examples
 
     spec = RunSpec.for_attempt(

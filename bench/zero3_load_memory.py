@@ -70,8 +70,8 @@ def load_probe_worker(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from contract.deepspeed_config import resolve_deepspeed_config
     from contract.run_request import RunSpec
-    from worker.deepspeed_config import resolve_deepspeed_config
     from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
     from worker.train_loop import batches_from, model_hidden_size, place_rank, train_step
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from contract.callbacks import EventType, FailureCode
 from contract.run_request import RunSpec
 from worker.failures import describe_failure, failure_code
 from worker.logs import configure_worker_logging
@@ -40,8 +41,8 @@ def main() -> int:
         # Train said after (a worker died, no room to restart), the cause is the node, and
         # a resume can go on once the cluster has room again. (An error the training code
         # raised stays its own: an autoscaler removing an idle node is no cause.)
-        if code != "training_error" and (lost := lost_nodes_note(nodes_at_start)):
-            message, code = f"{lost}: {message}", "cluster_error"
+        if code != FailureCode.TRAINING_ERROR and (lost := lost_nodes_note(nodes_at_start)):
+            message, code = f"{lost}: {message}", FailureCode.CLUSTER_ERROR
         log.error("failed (%s): %s", code, message)
         client.status("failed", error=message, code=code)
         client.close()
@@ -52,7 +53,7 @@ def main() -> int:
         # and the next attempt resumes from that checkpoint. Retried as a status is; if it
         # never arrives, the service requeues the run when it sees the job has ended.
         log.info("preempted: %s", preempted.message)
-        client.event("preempted", preempted.message, attempts=8)
+        client.event(EventType.PREEMPTED, preempted.message, attempts=8)
         client.close()
         return 0
     client.status("succeeded")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.callbacks import CheckpointKind
 from contract.run_request import RunSpec
 from contract.storage import Storage
 
@@ -148,7 +149,7 @@ class Export:
     path: str
     max_diff: float
     # "hf": a full model `from_pretrained` loads; "adapter": a LoRA adapter for peft.
-    kind: str = "hf"
+    kind: CheckpointKind = "hf"
 
 
 def export_hf_model(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contract.callbacks import FailureCode
+
 MAX_MESSAGE_CHARS = 2_000
 
 
@@ -52,7 +54,7 @@ _PEER_LOST = (
 )
 
 
-def failure_code(exc: BaseException) -> str:
+def failure_code(exc: BaseException) -> FailureCode:
     """`cluster_error` when Ray itself failed under the run (a node or the head went away),
     which a new attempt can survive; `training_error` for everything the run's own code or
     data raised, which would fail again the same way; `unplaceable` when the cluster could
@@ -60,8 +62,10 @@ def failure_code(exc: BaseException) -> str:
     from worker.placement import placement_failure
 
     if placement_failure(exc) is not None:
-        return "unplaceable"
-    return "training_error" if raised_by_training_code(_first_failure(exc)) else "cluster_error"
+        return FailureCode.UNPLACEABLE
+    if raised_by_training_code(_first_failure(exc)):
+        return FailureCode.TRAINING_ERROR
+    return FailureCode.CLUSTER_ERROR
 
 
 def _first_failure(exc: BaseException) -> BaseException:

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from contract.callbacks import EventType
 from contract.run_request import RunSpec
 from worker.host_group import host_group
 from worker.service_client import MetricsSender, ServiceClient
@@ -52,7 +53,9 @@ class MetricSinks:
             self.client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
             self.sender = MetricsSender(self.client)
             self.trackers = Trackers.for_rank(
-                spec, rank=rank, on_failure=lambda message: self.event("tracking_failed", message)
+                spec,
+                rank=rank,
+                on_failure=lambda message: self.event(EventType.TRACKING_FAILED, message),
             )
 
     @property
@@ -163,12 +166,12 @@ class MetricSinks:
         if self.trackers is not None:
             self.trackers.exported(path, kind)
 
-    def event(self, type: str, message: str) -> None:
+    def event(self, type: EventType, message: str) -> None:
         """One try, no retries: these are informational and must not delay training."""
         if self.client is not None:
             self.client.event(type, message, attempts=1)
 
-    def record(self, type: str, message: str) -> None:
+    def record(self, type: EventType, message: str) -> None:
         """An event that is part of the run's history, which users read to see what happened
         (a restart from a checkpoint): retried with backoff as a status is. One try was
         lost whenever the service was slow for a moment, and a restart then went unseen.

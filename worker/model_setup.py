@@ -324,7 +324,7 @@ def build_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from worker.deepspeed_config import torch_dtype_name
+    from contract.deepspeed_config import torch_dtype_name
 
     zero3_config = None
     # AutoTP + ZeRO-3 still loads whole on each rank: transformers 5 refuses to load into

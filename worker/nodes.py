@@ -19,12 +19,13 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from contract.callbacks import EventType
 from contract.placement import tensor_parallel_straddles
 from contract.run_request import RunSpec
 
 log = logging.getLogger("tuneyard.worker")
 
-PLACED_EVENT = "workers_placed"
+PLACED_EVENT = EventType.WORKERS_PLACED
 SHORT_ID = 12
 
 
@@ -35,7 +36,9 @@ class TensorParallelStraddles(ValueError):
 # -- in every worker ----------------------------------------------------------------------
 
 
-def check_worker_nodes(spec: RunSpec, *, rank: int, post_event: Callable[[str, str], Any]) -> None:
+def check_worker_nodes(
+    spec: RunSpec, *, rank: int, post_event: Callable[[EventType, str], Any]
+) -> None:
     """Gather each rank's node; rank 0 posts the layout. Raises TensorParallelStraddles on
     every rank when a tensor-parallel group spans nodes. A collective: every rank calls it."""
     import ray

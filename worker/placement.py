@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from contract.callbacks import EventType
 from contract.job_env import CLUSTER_AUTOSCALES_ENV, PLACEMENT_TIMEOUT_ENV
 from contract.placement import (
     EPS,
@@ -22,7 +23,7 @@ from contract.run_request import ResourcesSpec, RunSpec
 
 log = logging.getLogger("tuneyard.worker")
 
-WAITING_EVENT = "waiting_for_resources"
+WAITING_EVENT = EventType.WAITING_FOR_RESOURCES
 
 
 class Unplaceable(Exception):
@@ -32,7 +33,7 @@ class Unplaceable(Exception):
 # -- in the job's driver ------------------------------------------------------------------
 
 
-def check_before_fit(spec: RunSpec, *, post_event: Callable[[str, str], Any]) -> None:
+def check_before_fit(spec: RunSpec, *, post_event: Callable[[EventType, str], Any]) -> None:
     """Raise Unplaceable when the cluster can never hold the run; post a waiting event when
     it cannot hold it now (its resources are busy, or it has to grow). Ray Train then waits
     up to the placement timeout. A cluster that cannot be read is left to Ray Train."""

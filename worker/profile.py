@@ -57,7 +57,9 @@ def main() -> int:
     except BaseException as exc:
         from worker.failures import describe_failure, failure_code
 
-        code, message = failure_code(exc), describe_failure(exc)
+        # A profile's codes are a run's, and `cluster_busy` of its own (app/schemas/profile.py).
+        code: str = failure_code(exc)
+        message = describe_failure(exc)
         if isinstance(exc, ClusterBusy):
             code = "cluster_busy"
         log.error("profile %s failed (%s): %s", spec.run_id, code, message)

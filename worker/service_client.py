@@ -7,23 +7,34 @@ a training step never waits on the network, and a service that is down for a whi
 nothing that fits in the buffer. Points that are lost anyway (refused by the service, or
 pushed out of a full buffer) are counted and logged, and make the next `flush` say so.
 
-Strict JSON has no NaN or Infinity, and a diverging run produces them: `json_safe` is the
-one rule for sending them, as the strings the callback schema reads back as floats.
+Every body is one of contract/callbacks.py's models, which the service validates with the
+same definitions: a field, a failure code or an event type cannot be misspelt on one side
+only. A body this side cannot build is a bug: it is logged and not sent, as a body the
+service refused would be, so the training it reports on never fails because of it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
 from collections import deque
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
+from contract.callbacks import (
+    CheckpointKind,
+    CheckpointPost,
+    EventPost,
+    EventType,
+    FailureCode,
+    MetricsPost,
+    StatusPost,
+)
 from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
 
 log = logging.getLogger("tuneyard.worker")
@@ -35,20 +46,8 @@ METRICS_BATCH_POINTS = 2_000
 # later, and a service that is slow to answer must not hold the question up for long.
 CONTROL_TIMEOUT_S = 3.0
 
-_NONFINITE_JSON = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float as "NaN", "Infinity" or "-Infinity": httpx
-    refuses them (strict JSON), and the callback schema takes these strings as floats
-    (app/schemas/callbacks.py). Every body the worker posts goes through here."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else _NONFINITE_JSON[str(value)]
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
+Body = TypeVar("Body", bound=BaseModel)
+_JSON = {"Content-Type": "application/json"}
 
 
 class ServiceClient:
@@ -74,7 +73,15 @@ class ServiceClient:
             attempt=attempt,
         )
 
-    def post(self, path: str, body: dict[str, Any], *, attempts: int = 5) -> bool:
+    def body(self, model: type[Body], **fields: Any) -> Body | None:
+        """This attempt's `model`, or None (logged) when the fields break its rules."""
+        try:
+            return model(attempt=self.attempt, **fields)
+        except ValidationError as exc:
+            log.error("not sending a %s the service would refuse: %s", model.__name__, exc)
+            return None
+
+    def post(self, path: str, body: BaseModel | None, *, attempts: int = 5) -> bool:
         """POST with exponential backoff; False only when the service could not be reached.
 
         A 4xx answer is final (the run ended meanwhile, a bad body): it is logged and not
@@ -82,14 +89,19 @@ class ServiceClient:
         """
         return self.deliver(path, body, attempts=attempts) is not None
 
-    def deliver(self, path: str, body: dict[str, Any], *, attempts: int = 5) -> int | None:
+    def deliver(self, path: str, body: BaseModel | None, *, attempts: int = 5) -> int | None:
         """`post`, telling apart what the service took (2xx) from what it refused for good
-        (3xx/4xx): the answer's status, or None when the service could not be reached."""
-        body = json_safe({"attempt": self.attempt, **body})
+        (3xx/4xx; 422 for a body that could not be built): the answer's status, or None when
+        the service could not be reached."""
+        if body is None:
+            return 422
+        # model_dump_json, not model_dump: only the JSON serializer writes non-finite floats
+        # as the strings the service reads (`ser_json_inf_nan`).
+        payload = body.model_dump_json(exclude_none=True)
         delay = 0.5
         for i in range(attempts):
             try:
-                response = self._http.post(path, json=body)
+                response = self._http.post(path, content=payload, headers=_JSON)
                 if response.status_code < 500:
                     if not response.is_success:
                         # 3xx/4xx will not get better by retrying (e.g. the run ended).
@@ -107,22 +119,34 @@ class ServiceClient:
                 delay = min(delay * 2, 10.0)
         return None
 
-    def status(self, status: str, *, error: str | None = None, code: str | None = None) -> bool:
-        body: dict[str, Any] = {"status": status}
-        if error is not None:
-            body["error"] = {"code": code or "training_error", "message": error}
-        return self.post("/status", body, attempts=8)
+    def status(
+        self,
+        status: Literal["running", "succeeded", "failed"],
+        *,
+        error: str | None = None,
+        code: FailureCode = FailureCode.TRAINING_ERROR,
+    ) -> bool:
+        failure = {"code": code, "message": error} if error is not None else None
+        return self.post("/status", self.body(StatusPost, status=status, error=failure), attempts=8)
 
     def checkpoint(
-        self, *, step: int, epoch: float | None, path: str, kind: str, metrics: dict[str, float]
+        self,
+        *,
+        step: int,
+        epoch: float | None,
+        path: str,
+        kind: CheckpointKind,
+        metrics: dict[str, float],
     ) -> bool:
-        return self.post(
-            "/checkpoints",
-            {"step": step, "epoch": epoch, "path": path, "kind": kind, "metrics": metrics},
+        body = self.body(
+            CheckpointPost, step=step, epoch=epoch, path=path, kind=kind, metrics=metrics
         )
+        return self.post("/checkpoints", body)
 
-    def event(self, type: str, message: str, *, attempts: int = 5) -> bool:
-        return self.post("/events", {"type": type, "message": message}, attempts=attempts)
+    def event(self, type: EventType, message: str, *, attempts: int = 5) -> bool:
+        return self.post(
+            "/events", self.body(EventPost, type=type, message=message), attempts=attempts
+        )
 
     def control(self) -> dict[str, Any] | None:
         """The scheduler's word on this attempt: `{"preempt": false}` or `{"preempt": true,
@@ -219,9 +243,8 @@ class MetricsSender:
             if not batch:
                 return True
             try:
-                status = self._client.deliver(
-                    "/metrics", {"points": batch, "progress": progress}, attempts=attempts
-                )
+                body = self._client.body(MetricsPost, points=batch, progress=progress)
+                status = self._client.deliver("/metrics", body, attempts=attempts)
             except BaseException:
                 self._requeue(batch)
                 raise

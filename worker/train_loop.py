@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from contract.callbacks import EventType
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
 from worker.checkpoints import (
@@ -44,7 +45,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     preemption = Preemption(attempt=spec.attempt, client=sinks.client, group=sinks.group)
     # With "engine_ready" below: when each start-up stage ended, as events on the service's
     # clock, for users asking where a slow start went (and for bench/dispatch_latency.py).
-    sinks.event("worker_started", f"training workers started ({spec.resources.num_workers})")
+    sinks.event(
+        EventType.WORKER_STARTED, f"training workers started ({spec.resources.num_workers})"
+    )
     try:
         check_worker_nodes(spec, rank=rank, post_event=sinks.event)
         # An upload or an earlier run's export in object storage: read from local disk.
@@ -123,7 +126,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     import torch
     from transformers import set_seed
 
-    from worker.deepspeed_config import resolve_deepspeed_config, resolve_precision
+    from contract.deepspeed_config import resolve_deepspeed_config, resolve_precision
     from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
 
     set_seed(spec.training.seed)
@@ -172,7 +175,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
 def model_hidden_size(spec: RunSpec) -> int | None:
     from transformers import AutoConfig
 
-    from worker.deepspeed_config import hidden_size_of
+    from contract.deepspeed_config import hidden_size_of
 
     return hidden_size_of(AutoConfig.from_pretrained(spec.model).to_dict())
 
@@ -184,18 +187,18 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
     training = build_training(spec, rank=rank)
     engine, data, plan = training.engine, training.data, training.plan
     sinks.event(
-        "engine_ready",
+        EventType.ENGINE_READY,
         f"tokenizer, data, model and DeepSpeed engine ready in "
         f"{time.perf_counter() - setup_started:.1f}s",
     )
     for note in data.notes:
-        sinks.event("data_fitted", note)
+        sinks.event(EventType.DATA_FITTED, note)
     restored = restore_checkpoint(engine, spec)
     step = restored.step
     if step:
         # Every rank restored; rank 0 says from where, retried: it is the run's record.
         sinks.record(
-            "resumed", f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
+            EventType.RESUMED, f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
         )
     log.info("training steps %d..%d", step, plan.total_steps)
     # Which checkpoint is best, and whether to stop early (the same on every rank).
@@ -300,7 +303,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
     if watch.state.stopped is not None:
         if sinks.client is not None:
             # Retried, unlike informational events: the run's result is made of it.
-            sinks.client.event("early_stopped", watch.state.stopped)
+            sinks.client.event(EventType.EARLY_STOPPED, watch.state.stopped)
     elif saved_at != step:
         run_eval(step)
     if saved_at != step:
@@ -311,7 +314,7 @@ def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preempti
         assert best is not None
         load_weights_of_step(engine, spec, step=best)
         export_step = best
-        sinks.event("export_from_best", f"exporting the best checkpoint, step {best}")
+        sinks.event(EventType.EXPORT_FROM_BEST, f"exporting the best checkpoint, step {best}")
     if spec.checkpointing.export_hf:
         probe = next(iter(data.train))
         exports = export_hf_model(

@@ -7,13 +7,16 @@ app/static/vendor (see its README for versions and licences).
 
 from __future__ import annotations
 
+import json
 from html import escape
 from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+
+from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 STATIC_URL = "/static"
@@ -34,6 +37,20 @@ def static_files() -> StaticFiles:
 
 def _page(name: str) -> FileResponse:
     return FileResponse(STATIC_DIR / name, media_type="text/html")
+
+
+# Served beside the pages' scripts (this router comes before the static mount), which import
+# it as `./statuses.js`: the statuses they branch on are contract/statuses.py's, not copies.
+STATUSES_MODULE = f"{STATIC_URL}/js/statuses.js"
+
+
+@router.get(STATUSES_MODULE)
+def statuses_module() -> Response:
+    lines = [
+        f"export const {name} = new Set({json.dumps(sorted(statuses))});"
+        for name, statuses in (("TERMINAL", TERMINAL_STATUSES), ("RESUMABLE", RESUMABLE_STATUSES))
+    ]
+    return Response("\n".join(lines) + "\n", media_type="text/javascript")
 
 
 @router.get("/")

@@ -16,13 +16,13 @@ from app.api.deps import (
     run_in_read_session,
     run_in_write_session,
 )
-from app.schemas.callbacks import CheckpointPost, EventPost, MetricsPost, StatusPost
 from app.schemas.errors import error_responses
 from app.schemas.security_schemes import run_token
 from app.services import callbacks, lifecycle, run_result
 from app.services.lifecycle import record_event
 from app.services.webhooks import enqueue_webhooks
 from contract.bounds import INT32_MAX
+from contract.callbacks import CheckpointPost, EventPost, EventType, MetricsPost, StatusPost
 
 
 async def verified_token(run_id: str, request: Request) -> str:
@@ -134,19 +134,19 @@ async def post_event(
         run = callbacks.authorize_worker(
             session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
         )
-        if body.type == "preempted" and lifecycle.preempting(run):
+        if body.type == EventType.PREEMPTED and lifecycle.preempting(run):
             # The worker saved its checkpoint and is stopping: the run goes back to the queue.
             lifecycle.requeue_preempted(session, run, how=f"the worker said: {body.message}")
             session.flush()
             return {"id": None}
         # A `preempted` left here stopped for a preemption the run no longer waits on (it was
         # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
-        kind = "message" if body.type == "preempted" else body.type
+        kind = EventType.MESSAGE if body.type == EventType.PREEMPTED else body.type
         event = record_event(session, run, type=kind, message=body.message)
-        if body.type == "early_stopped":
+        if body.type == EventType.EARLY_STOPPED:
             run_result.record_early_stop(run, body.message)
         # Once per early stop: a worker repeating its post is counted on the same event row.
-        if body.type == "early_stopped" and event.repeats == 1:
+        if body.type == EventType.EARLY_STOPPED and event.repeats == 1:
             enqueue_webhooks(session, run, "run.early_stopped", {"message": event.message})
         session.flush()
         return {"id": event.id}

@@ -72,10 +72,10 @@ from app.services import (
     run_stream,
     runs,
 )
-from app.status import RunStatus
 from contract.bounds import INT32_MAX, INT64_MAX, refuse_nul
 from contract.examples import RUN_REQUEST_EXAMPLES
 from contract.run_request import RunRequest
+from contract.statuses import RunStatus
 
 log = logging.getLogger("tuneyard")
 

@@ -13,14 +13,14 @@ from sqlalchemy.orm import Session
 
 from app.errors import Conflict, Unauthorized, ValidationFailed, field_problem
 from app.models import RUN_ID, Checkpoint, Metric, Run, is_minted
-from app.schemas.callbacks import CheckpointPost, MetricsPost, StatusPost
 from app.schemas.run_view import CheckpointView, nonfinite_kind, stored_metric_value
 from app.security import hash_secret, secret_matches
 from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
 from app.services.path_rules import run_location
 from app.services.webhooks import enqueue_webhooks
-from app.status import RunStatus
+from contract.callbacks import CheckpointPost, EventType, MetricsPost, StatusPost
+from contract.statuses import RunStatus
 from contract.storage import Storage
 
 _BAD_TOKEN = "invalid or expired run token"
@@ -154,10 +154,12 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
         # is the run's model_path.
         run.model_path = post.path
         what = "LoRA adapter" if post.kind == "adapter" else "model"
-        record_event(session, run, type="export", message=f"{what} exported to {post.path}")
+        record_event(session, run, type=EventType.EXPORT, message=f"{what} exported to {post.path}")
     else:
         run.latest_checkpoint = post.path
-        record_event(session, run, type="checkpoint", message=f"checkpoint at step {post.step}")
+        record_event(
+            session, run, type=EventType.CHECKPOINT, message=f"checkpoint at step {post.step}"
+        )
     session.flush()
     run_result.record_checkpoint(run, checkpoint)  # after the flush: it names the row's id
     view = CheckpointView.of(checkpoint).model_dump(mode="json")

@@ -30,13 +30,13 @@ from typing import Any
 from app.services.adapter_sizes import Linear, adapter_parameters, linear_weights
 from app.services.model_files import checkpoint_parameters, safetensors_headers
 from app.services.run_rules import CheckedRequest
-from contract.run_request import RunDefinition
-from worker.deepspeed_config import (
+from contract.deepspeed_config import (
     global_batch_size,
     hidden_size_of,
     resolve_deepspeed_config,
     resolve_precision,
 )
+from contract.run_request import RunDefinition
 
 # A GPU run with precision=auto resolves on the cluster; validation assumes a bf16 GPU.
 ASSUME_BF16_GPU = True

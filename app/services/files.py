@@ -36,8 +36,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.models import FILE_ID, File, Run, is_minted, new_id
 from app.services.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
-from app.status import TERMINAL_STATUSES
 from contract.datasets import FILE_FORMATS, Purpose, file_format
+from contract.statuses import TERMINAL_STATUSES
 from contract.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from app.logs import redact
 from app.models import Event, Run, utcnow
 from app.services import run_result
 from app.services.webhooks import enqueue_webhooks
-from app.status import RunStatus
+from contract.callbacks import EventType, FailureCode
+from contract.statuses import RESUMABLE_STATUSES, RunStatus
 
 log = logging.getLogger("tuneyard")
 
@@ -75,7 +76,7 @@ def _latest_event(session: Session, run_id: str) -> Event | None:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    code: str
+    code: FailureCode
     message: str
 
 
@@ -126,7 +127,7 @@ def _move(
         # Shown to users: Ray's and the worker's messages may quote a credential.
         run.error_message = redact(failure.message)
     text = message or (failure.message if failure else "")
-    record_event(session, run, type="status", status=new, message=text)
+    record_event(session, run, type=EventType.STATUS, status=new, message=text)
     if new.is_terminal():  # in this transaction: a change rolled back notifies nobody
         enqueue_webhooks(session, run, f"run.{new.value}")
     log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
@@ -138,7 +139,9 @@ def _move(
 def enqueue(session: Session, run: Run) -> None:
     """A new run entered the queue: its row was just added as `queued`, and `queued_at`
     defaults to the time of that insert."""
-    record_event(session, run, type="status", status=RunStatus.QUEUED, message="run created")
+    record_event(
+        session, run, type=EventType.STATUS, status=RunStatus.QUEUED, message="run created"
+    )
 
 
 def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
@@ -165,7 +168,7 @@ def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
     record_event(
         session,
         run,
-        type="status",
+        type=EventType.STATUS,
         status=RunStatus.STARTING,
         message=f"submitting Ray job {run.ray_submission_id}",
     )
@@ -220,7 +223,7 @@ def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
             run,
             RunStatus.FAILED,
             failure=Failure(
-                "lost", f"{reason}; no attempts remain (fault_tolerance.max_resubmits)"
+                FailureCode.LOST, f"{reason}; no attempts remain (fault_tolerance.max_resubmits)"
             ),
         )
         return
@@ -241,7 +244,9 @@ def _loss_behind_attempt(session: Session, run: Run) -> str | None:
     """Why `requeue_or_fail` started the run's current attempt, if it did."""
     queued = session.scalars(
         select(Event.message)
-        .where(Event.run_id == run.id, Event.type == "status", Event.status == RunStatus.QUEUED)
+        .where(
+            Event.run_id == run.id, Event.type == EventType.STATUS, Event.status == RunStatus.QUEUED
+        )
         .order_by(Event.id.desc())
         .limit(1)
     ).first()
@@ -291,7 +296,7 @@ def request_preemption(session: Session, run: Run, *, reason: str) -> None:
     record_event(
         session,
         run,
-        type="message",
+        type=EventType.MESSAGE,
         message=f"preemption requested: {reason}; the attempt saves a checkpoint and stops",
     )
 
@@ -312,7 +317,9 @@ def requeue_preempted(session: Session, run: Run, *, how: str) -> None:
     if run.run_status == RunStatus.STARTING:
         _move(session, run, RunStatus.RUNNING, message="the worker had started")
     step = run.step
-    record_event(session, run, type="preempted", message=f"preempted at step {step}: {reason}")
+    record_event(
+        session, run, type=EventType.PREEMPTED, message=f"preempted at step {step}: {reason}"
+    )
     _move(
         session,
         run,
@@ -339,7 +346,7 @@ def resume(session: Session, run: Run) -> None:
     so Ray Train picks up its latest checkpoint and the step count continues. It joins the
     back of the queue, and its budget of automatic resubmits starts anew."""
     status = run.run_status
-    if status not in (RunStatus.FAILED, RunStatus.CANCELLED):
+    if status not in RESUMABLE_STATUSES:
         raise Conflict(f"run {run.id} is {status}; only a failed or cancelled run can be resumed")
     run.resubmits = 0
     _move(
@@ -374,16 +381,20 @@ def apply_worker_status(
         record_event(
             session,
             run,
-            type="message",
+            type=EventType.MESSAGE,
             message=f"the worker stopped: {failure.message if failure else ''}",
         )
         return
-    if status == RunStatus.FAILED and failure is not None and failure.code == "unplaceable":
+    if (
+        status == RunStatus.FAILED
+        and failure is not None
+        and failure.code == FailureCode.UNPLACEABLE
+    ):
         failure = _unplaceable(session, run, failure.message)
     if (
         status == RunStatus.FAILED
         and preempting(run)
-        and (failure is None or failure.code != "training_error")
+        and (failure is None or failure.code != FailureCode.TRAINING_ERROR)
     ):
         # Stopped for the scheduler (its grace ran out and the job was stopped), or the
         # cluster failed under it on its way out: either way it goes back to the queue from
@@ -393,7 +404,11 @@ def apply_worker_status(
             session, run, how=f"the attempt ended: {failure.message if failure else 'failed'}"
         )
         return
-    if status == RunStatus.FAILED and failure is not None and failure.code == "cluster_error":
+    if (
+        status == RunStatus.FAILED
+        and failure is not None
+        and failure.code == FailureCode.CLUSTER_ERROR
+    ):
         # Ray failed under the run (the head or a node went away), not the training.
         requeue_or_fail(
             session,
@@ -409,7 +424,7 @@ def _unplaceable(session: Session, run: Run, message: str) -> Failure:
     node died) that finds no room: the loss is why, and the user must read it in the error."""
     if (lost := _loss_behind_attempt(session, run)) is not None:
         message = f"{lost}; then attempt {run.attempt}: {message}"
-    return Failure("unplaceable", message)
+    return Failure(FailureCode.UNPLACEABLE, message)
 
 
 def fail_unplaceable(session: Session, run: Run, *, message: str) -> None:
@@ -468,12 +483,14 @@ def apply_ray_state(
         if cancelling:
             settle(session, run, RunStatus.CANCELLED, message="the Ray job ended")
         else:
-            settle(session, run, RunStatus.FAILED, failure=Failure("job_failed", job_failure))
+            settle(
+                session, run, RunStatus.FAILED, failure=Failure(FailureCode.JOB_FAILED, job_failure)
+            )
     elif ray_status == "STOPPED":
         if cancelling:
             settle(session, run, RunStatus.CANCELLED, message="Ray stopped the job")
         else:
-            failure = Failure("stopped", f"the Ray job was stopped: {ray_message}")
+            failure = Failure(FailureCode.STOPPED, f"the Ray job was stopped: {ray_message}")
             settle(session, run, RunStatus.FAILED, failure=failure)
     elif ray_status == "SUCCEEDED" and cancelling and run.preempt_requested_at is not None:
         # Cancelled while a preemption was asked: the entry point exits 0 once the attempt
@@ -489,7 +506,7 @@ def apply_ray_state(
         record_event(
             session,
             run,
-            type="message",
+            type=EventType.MESSAGE,
             message="the attempt did not stop within the preemption grace period "
             "(TUNEYARD_PREEMPTION_GRACE_S): stopping its Ray job; it resumes from its latest "
             "checkpoint",

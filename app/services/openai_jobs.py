@@ -42,9 +42,10 @@ from app.schemas.openai_shapes import (
 from app.schemas.run_view import RunView, as_utc
 from app.services import files, runs
 from app.services.placement import ClusterView
-from app.status import RunStatus
+from contract.callbacks import EventType
+from contract.deepspeed_config import global_batch_size
 from contract.run_request import RunDefinition, RunRequest
-from worker.deepspeed_config import global_batch_size
+from contract.statuses import RunStatus
 
 BASE_LEARNING_RATE = 1e-5
 BASE_LEARNING_RATE_LORA = 1e-4
@@ -365,6 +366,11 @@ def list_jobs(
 
 
 _EVENT_ID = re.compile(r"ftevent-([0-9]{1,18})")
+# Events OpenAI's clients see as warnings: a run waiting for the cluster, data cut to fit,
+# metrics an experiment tracker stopped taking.
+_WARNINGS = frozenset(
+    {EventType.WAITING_FOR_RESOURCES, EventType.DATA_FITTED, EventType.TRACKING_FAILED}
+)
 _CHECKPOINT_ID = re.compile(r"ftckpt-([0-9]{1,18})")
 
 
@@ -383,7 +389,7 @@ def _event_view(event: Event) -> JobEvent:
     level = "info"
     if event.status == RunStatus.FAILED:
         level = "error"
-    elif event.type in ("waiting", "data_fitted", "retry"):
+    elif event.type in _WARNINGS:
         level = "warn"
     message = event.message or (f"status: {event.status}" if event.status else event.type)
     return JobEvent(

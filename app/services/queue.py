@@ -36,8 +36,8 @@ from app.services.scheduling import (
     queue_order,
 )
 from app.settings import Settings
-from app.status import RunStatus
 from contract.run_request import DEFAULT_PRIORITY
+from contract.statuses import RunStatus
 
 LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
 # Any constant both replicas agree on: the key of PostgreSQL's advisory lock for a pass.

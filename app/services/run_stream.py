@@ -20,8 +20,8 @@ from app.errors import ValidationFailed, field_problem
 from app.models import Event, Metric, Run
 from app.schemas.run_view import EventView, MetricView
 from app.services.run_data import bounded_int
-from app.status import RunStatus
 from contract.bounds import INT64_MAX
+from contract.statuses import RunStatus
 
 POLL_INTERVAL_S = 0.5
 BATCH = 500

@@ -45,8 +45,8 @@ from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.services.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
 from app.services.tracking_rules import key_tracking_problems
-from app.status import RunStatus
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
+from contract.statuses import RunStatus
 from contract.storage import Storage
 
 MAX_PAGE = 100

@@ -328,7 +328,10 @@ class TestWatch:
             run_id,
             token,
             "status",
-            {"status": "failed", "error": {"code": "oom", "message": "out of memory at step 3"}},
+            {
+                "status": "failed",
+                "error": {"code": "training_error", "message": "out of memory at step 3"},
+            },
         )
         result = live.cli("watch", run_id)
         assert result.exit_code == ExitCode.RUN_FAILED

@@ -3,6 +3,7 @@ and assets answer without a key, nothing loads from a CDN, and the API still wan
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from app.api.dashboard import STATIC_DIR
 from app.api.security_headers import CSP_PAGES
+from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES
 
 PAGES = {
     "/": "runs-list.js",
@@ -63,11 +65,25 @@ class TestPages:
             else:
                 assert url.startswith("/") and not url.startswith("//"), url
 
-    def test_every_module_a_script_imports_exists(self) -> None:
+    def test_every_module_a_script_imports_is_served(self, client: TestClient) -> None:
         scripts = STATIC_DIR / "js"
         for script in scripts.glob("*.js"):
             for name in re.findall(r'from "\./([\w-]+\.js)"', script.read_text()):
-                assert (scripts / name).is_file(), f"{script.name} imports missing {name}"
+                response = client.get(f"/static/js/{name}")
+                assert response.status_code == 200, f"{script.name} imports missing {name}"
+                assert response.headers["content-type"].startswith("text/javascript"), name
+
+    def test_the_pages_branch_on_the_contracts_statuses(self, client: TestClient) -> None:
+        """Which statuses are final or resumable is said once (contract/statuses.py); the
+        scripts import it rather than list statuses of their own."""
+        module = client.get("/static/js/statuses.js").text
+        sets = dict(re.findall(r"export const (\w+) = new Set\((\[.*?\])\);", module))
+        assert {name: set(json.loads(values)) for name, values in sets.items()} == {
+            "TERMINAL": {str(s) for s in TERMINAL_STATUSES},
+            "RESUMABLE": {str(s) for s in RESUMABLE_STATUSES},
+        }
+        for script in (STATIC_DIR / "js").glob("*.js"):
+            assert not re.search(r'"(succeeded|cancelled)"', script.read_text()), script.name
 
 
 class TestVendoredAssets:

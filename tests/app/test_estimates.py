@@ -21,8 +21,8 @@ from app.services.estimates import (
     model_states_bytes,
     trainable_parameters,
 )
+from contract.deepspeed_config import resolve_deepspeed_config
 from contract.run_request import RunDefinition, RunRequest
-from worker.deepspeed_config import resolve_deepspeed_config
 
 HIDDEN = 256
 # A Llama-like model: 8 layers of 4 attention matrices (h x h), 3 MLP matrices (h x 4h) and

@@ -13,8 +13,8 @@ from app.errors import Conflict, InvalidTransition
 from app.models import Run
 from app.services import lifecycle
 from app.services.lifecycle import Failure, RayVerdict, can_transition
-from app.status import TERMINAL_STATUSES, RunStatus
 from contract.run_request import RunRequest
+from contract.statuses import TERMINAL_STATUSES, RunStatus
 
 EARLIER = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -379,8 +379,13 @@ class TestNeverFits:
         )
         dispatcher.dispatch_queued_runs()
         nodes.append({"CPU": 1.0})  # the second node is back
-        cluster.refresh()
-        time.sleep(0.4)
+        # Awaited, not slept on: the view reads in the background, and a read the first pass
+        # started may still hold the one node (it did on a busy machine).
+        deadline = time.monotonic() + 60
+        while len(cluster.nodes() or []) < 2:
+            assert time.monotonic() < deadline, "the view never saw the second node"
+            time.sleep(0.01)
+        time.sleep(0.4)  # past the grace: only the node's return keeps the run from failing
         ray.free = [{"CPU": 1.0}, {"CPU": 1.0}]
         dispatcher.dispatch_queued_runs()
         assert stored(session_factory, run_id).status == "starting"

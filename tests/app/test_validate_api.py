@@ -13,10 +13,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Run
 from app.settings import Settings
+from contract.deepspeed_config import resolve_deepspeed_config
 from contract.run_request import RunSpec
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
-from worker.deepspeed_config import resolve_deepspeed_config
 from worker.train_loop import model_hidden_size
 
 MODES: dict[str, dict[str, Any]] = {

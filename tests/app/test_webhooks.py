@@ -33,8 +33,8 @@ from app.services.lifecycle import Failure
 from app.services.webhook_delivery import WebhookDeliverer, retry_delay_s
 from app.services.webhooks import sign, verify
 from app.settings import Settings
-from app.status import RunStatus
 from contract.job_env import SPEC_ENV
+from contract.statuses import RunStatus
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import post_status, run_location, worker_headers
 from tests.conftest import make_api_key
@@ -352,7 +352,12 @@ class TestRetries:
         hooks = [{"url": f"http://127.0.0.1:{free_port()}/gone"}]
         run_id, worker = start_run(client, auth, tmp_path, settings, session_factory, hooks)
         post_status(
-            client, run_id, worker, "failed", error={"code": "x", "message": "boom"}, check=True
+            client,
+            run_id,
+            worker,
+            "failed",
+            error={"code": "training_error", "message": "boom"},
+            check=True,
         )
         deliverer.tick()
         [pending] = deliveries(client, run_id, auth)
@@ -567,7 +572,12 @@ class TestEvents:
             succeed(client, ok_id, ok)
             bad_id, bad = start_run(client, auth, tmp_path, settings, session_factory, [])
             post_status(
-                client, bad_id, bad, "failed", error={"code": "x", "message": "boom"}, check=True
+                client,
+                bad_id,
+                bad,
+                "failed",
+                error={"code": "training_error", "message": "boom"},
+                check=True,
             )
             # The operator's subscriber is not the run owner's to see.
             assert deliveries(client, ok_id, auth) == deliveries(client, bad_id, auth) == []

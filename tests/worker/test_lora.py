@@ -83,7 +83,7 @@ def _free_port() -> int:
 def _engine(spec: RunSpec, tokenizer: Any) -> tuple[Any, Any]:
     import deepspeed
 
-    from worker.deepspeed_config import resolve_deepspeed_config
+    from contract.deepspeed_config import resolve_deepspeed_config
     from worker.model_setup import build_model, build_optimizer
 
     config = resolve_deepspeed_config(spec, bf16_supported=False, hidden_size=32)

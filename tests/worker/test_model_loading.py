@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from contract.deepspeed_config import resolve_deepspeed_config, resolve_precision
 from contract.run_request import RunSpec
-from worker.deepspeed_config import resolve_deepspeed_config, resolve_precision
 from worker.model_setup import build_model
 
 

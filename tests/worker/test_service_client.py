@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from contract.callbacks import EventPost, EventType, FailureCode, MetricsPost, StatusPost
 from worker.service_client import METRICS_BATCH_POINTS, MetricsSender, ServiceClient
 
 RUN_ID = "run_42"
@@ -156,7 +157,7 @@ class TestServiceClientPost:
     ) -> None:
         service.serve()
 
-        assert client.post("/status", {"status": "running"}, attempts=1) is True
+        assert client.post("/status", client.body(StatusPost, status="running"), attempts=1) is True
 
         assert service.requests() == [
             Received(
@@ -172,7 +173,7 @@ class TestServiceClientPost:
         service.statuses.extend([503, 502])
         service.serve()
 
-        assert client.post("/metrics", {"points": []}, attempts=3) is True
+        assert client.post("/metrics", client.body(MetricsPost, points=[]), attempts=3) is True
 
         requests = service.requests()
         assert len(requests) == 3
@@ -184,7 +185,9 @@ class TestServiceClientPost:
         service.default_status = 500
         service.serve()
 
-        assert client.post("/status", {"status": "running"}, attempts=2) is False
+        assert (
+            client.post("/status", client.body(StatusPost, status="running"), attempts=2) is False
+        )
         assert len(service.requests()) == 2
 
     def test_retries_when_the_connection_is_refused(
@@ -194,7 +197,10 @@ class TestServiceClientPost:
         timer = threading.Timer(0.2, service.serve)
         timer.start()
         try:
-            assert client.post("/status", {"status": "running"}, attempts=2) is True
+            assert (
+                client.post("/status", client.body(StatusPost, status="running"), attempts=2)
+                is True
+            )
         finally:
             timer.join()
 
@@ -203,7 +209,9 @@ class TestServiceClientPost:
     def test_gives_up_when_the_service_stays_unreachable(self, client: ServiceClient) -> None:
         started = time.monotonic()
 
-        assert client.post("/status", {"status": "running"}, attempts=2) is False
+        assert (
+            client.post("/status", client.body(StatusPost, status="running"), attempts=2) is False
+        )
 
         # It did wait to retry (the first backoff is 0.5 s), and then stopped.
         assert 0.4 <= time.monotonic() - started < 3
@@ -216,7 +224,7 @@ class TestServiceClientPost:
         service.serve()
         started = time.monotonic()
 
-        assert client.post("/status", {"status": "running"}, attempts=3) is True
+        assert client.post("/status", client.body(StatusPost, status="running"), attempts=3) is True
 
         assert time.monotonic() - started < 0.4
         assert len(service.requests()) == 1
@@ -226,7 +234,10 @@ class TestServiceClientPost:
     ) -> None:
         service.serve()
 
-        assert client.status("failed", error="CUDA out of memory", code="oom") is True
+        assert (
+            client.status("failed", error="CUDA out of memory", code=FailureCode.CLUSTER_ERROR)
+            is True
+        )
         assert client.checkpoint(
             step=10, epoch=0.5, path="/s/ckpt", kind="deepspeed", metrics={"loss": 1.5}
         )
@@ -236,7 +247,7 @@ class TestServiceClientPost:
         assert first.body == {
             "attempt": 3,
             "status": "failed",
-            "error": {"code": "oom", "message": "CUDA out of memory"},
+            "error": {"code": "cluster_error", "message": "CUDA out of memory"},
         }
         assert second.path.endswith("/checkpoints")
         assert second.body == {
@@ -247,6 +258,28 @@ class TestServiceClientPost:
             "kind": "deepspeed",
             "metrics": {"loss": 1.5},
         }
+
+    def test_a_body_the_service_would_refuse_is_not_sent(
+        self, service: RecordingService, client: ServiceClient, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The worker builds the service's own models (contract/callbacks.py): a body that
+        breaks their rules is logged where it is made, and never reaches the wire."""
+        caplog.set_level(logging.ERROR, logger="tuneyard.worker")
+        service.serve()
+
+        assert client.checkpoint(step=-1, epoch=None, path="/s/c", kind="hf", metrics={})
+        assert client.post("/events", client.body(EventPost, type="no_such_event", message=""))
+        # The service's own event types are not the worker's to post.
+        assert client.event(EventType.STATUS, "queued") is True
+        assert client.event(EventType.RESUMED, "attempt 2: resumed from step 3") is True
+
+        [sent] = service.requests()
+        assert sent.body == {
+            "attempt": 3,
+            "type": "resumed",
+            "message": "attempt 2: resumed from step 3",
+        }
+        assert caplog.text.count("not sending a") == 3
 
 
 class TestMetricsSender:

@@ -4,10 +4,10 @@ import { json, problems, request } from "./api.js";
 import { StepChart } from "./charts.js";
 import { copyButton, dateTime, duration, el, methodOf, number, parallelism, progressBar, statusBadge } from "./format.js";
 import { followStream } from "./sse.js";
+import { RESUMABLE, TERMINAL } from "./statuses.js";
 
 const REFRESH_MS = 2000;
 const ANSI_ESCAPES = /\x1b\[[0-9;]*[A-Za-z]/g;
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const CHARTS = {
   loss: "loss",
   learning_rate: "learning rate",
@@ -67,7 +67,7 @@ function renderRun() {
   error.hidden = !run.error;
   error.textContent = run.error ? `${run.error.code}: ${run.error.message}` : "";
   document.getElementById("cancel").disabled = TERMINAL.has(run.status) || run.status === "cancelling";
-  document.getElementById("resume").disabled = !["failed", "cancelled"].includes(run.status);
+  document.getElementById("resume").disabled = !RESUMABLE.has(run.status);
   setText("spec", pretty(spec));
   renderModel();
 }

@@ -3,9 +3,9 @@
 import { json } from "./api.js";
 import { Sparkline } from "./charts.js";
 import { dateTime, duration, el, methodOf, number, parallelism, progressBar, statusBadge } from "./format.js";
+import { TERMINAL } from "./statuses.js";
 
 const REFRESH_MS = 2000;
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 
 const form = document.getElementById("filters");
 const tbody = document.querySelector("#runs tbody");

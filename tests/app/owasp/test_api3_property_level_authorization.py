@@ -84,7 +84,7 @@ class TestRunEventsAndErrors:
         message = f"could not reach {DATABASE_URL} nor {RAY_ADDRESS} (token {token})"
         r = client.post(
             f"/v1/internal/runs/{run_id}/events",
-            json={"attempt": 1, "type": "warning", "message": message},
+            json={"attempt": 1, "type": "message", "message": message},
             headers={"Authorization": f"Bearer {token}"},
         )
         assert r.status_code == 200, r.text
@@ -143,7 +143,7 @@ class TestRunEventsAndErrors:
         api_key = auth["Authorization"].removeprefix("Bearer ")
         client.post(
             f"/v1/internal/runs/{run_id}/events",
-            json={"attempt": 1, "type": "warning", "message": f"key={api_key}"},
+            json={"attempt": 1, "type": "message", "message": f"key={api_key}"},
             headers={"Authorization": f"Bearer {token}"},
         )
         served = client.get(f"/v1/runs/{run_id}/events", headers=auth).json()["data"][-1]

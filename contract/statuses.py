@@ -1,4 +1,6 @@
-"""Run status values. Which may follow which, and every change, is app/services/lifecycle.py."""
+"""A run's statuses, and which of them are final or resumable: declared here once, for the
+service, the command line and the dashboard (served to it as a module, app/api/dashboard.py).
+Which may follow which, and every change, is app/services/lifecycle.py."""
 
 from __future__ import annotations
 
@@ -19,3 +21,5 @@ class RunStatus(StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+# A run that ended without finishing may go on from its latest checkpoint (POST …/resume).
+RESUMABLE_STATUSES = frozenset({RunStatus.FAILED, RunStatus.CANCELLED})

@@ -1,4 +1,4 @@
-"""worker/deepspeed_config.py: the DeepSpeed config a run trains with."""
+"""contract/deepspeed_config.py: the DeepSpeed config a run trains with."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from contract.run_request import RunSpec
-from worker.deepspeed_config import (
+from contract.deepspeed_config import (
     global_batch_size,
     hidden_size_of,
     resolve_deepspeed_config,
     resolve_precision,
     torch_dtype_name,
 )
+from contract.run_request import RunSpec
 
 
 def make_spec(**groups: dict[str, Any]) -> RunSpec:

@@ -1,0 +1,180 @@
+"""Bodies the worker posts to /v1/internal/runs/{id}/…, authenticated by the run token:
+the worker builds them (worker/service_client.py) and the service validates them
+(app/api/internal.py), so a field, a failure code or an event type is spelled once.
+
+Every number that reaches an INTEGER column is bounded by what PostgreSQL holds, and every
+name that reaches a query refuses NUL: either would otherwise fail in the database (a 500)
+instead of answering a 422 that names the field.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from contract.bounds import INT32_MAX, refuse_nul
+
+
+class FailureCode(StrEnum):
+    """Why a run failed: a run's `error.code`. What the service does next depends on it (a
+    cluster error is retried from the latest checkpoint, a training error is not), so a
+    misspelt code must fail where it is written, not turn a retry into a failure."""
+
+    # Said by the worker (worker/failures.py).
+    TRAINING_ERROR = "training_error"  # the run's own model, data, code or memory
+    CLUSTER_ERROR = "cluster_error"  # Ray failed under the run (a node or the head went away)
+    UNPLACEABLE = "unplaceable"  # no node of the cluster could ever hold a worker
+    # Said by the service (app/services/lifecycle.py, app/dispatch.py).
+    LOST = "lost"  # attempts were lost to the cluster until none remained
+    RAY_REJECTED = "ray_rejected"  # Ray refused the job
+    JOB_FAILED = "job_failed"  # Ray's job failed without the worker saying why
+    STOPPED = "stopped"  # the Ray job was stopped from outside tuneyard
+
+
+WORKER_FAILURES = frozenset(
+    {FailureCode.TRAINING_ERROR, FailureCode.CLUSTER_ERROR, FailureCode.UNPLACEABLE}
+)
+
+
+class EventType(StrEnum):
+    """A run's event types (`GET /v1/runs/{id}/events`, each event's `type`)."""
+
+    # Written by the service.
+    STATUS = "status"  # a status change
+    MESSAGE = "message"  # a note on the run's way (a resubmit, a worker stopping)
+    CHECKPOINT = "checkpoint"
+    EXPORT = "export"
+    # Posted by the worker; `preempted` by the service too, once the run is back in the queue.
+    WORKER_STARTED = "worker_started"
+    ENGINE_READY = "engine_ready"
+    DATA_FITTED = "data_fitted"  # what the data made of the sequence length, and truncation
+    RESUMED = "resumed"  # rank 0: the attempt restored the checkpoint at a step
+    EARLY_STOPPED = "early_stopped"
+    EXPORT_FROM_BEST = "export_from_best"
+    TRACKING_FAILED = "tracking_failed"  # an experiment tracker stopped taking metrics
+    PREEMPTED = "preempted"  # the attempt saved a checkpoint and stopped for the scheduler
+    WAITING_FOR_RESOURCES = "waiting_for_resources"  # placement waits for the cluster to grow
+    WORKERS_PLACED = "workers_placed"  # which node holds which rank
+
+
+WORKER_EVENTS = frozenset(
+    {
+        EventType.MESSAGE,
+        EventType.WORKER_STARTED,
+        EventType.ENGINE_READY,
+        EventType.DATA_FITTED,
+        EventType.RESUMED,
+        EventType.EARLY_STOPPED,
+        EventType.EXPORT_FROM_BEST,
+        EventType.TRACKING_FAILED,
+        EventType.PREEMPTED,
+        EventType.WAITING_FOR_RESOURCES,
+        EventType.WORKERS_PLACED,
+    }
+)
+
+
+def _said_by_worker(code: FailureCode) -> FailureCode:
+    if code not in WORKER_FAILURES:
+        raise ValueError(f"a worker reports one of {sorted(WORKER_FAILURES)}, not {code!r}")
+    return code
+
+
+def _posted_by_worker(event: EventType) -> EventType:
+    if event not in WORKER_EVENTS:
+        raise ValueError(f"a worker posts one of {sorted(WORKER_EVENTS)}, not {event!r}")
+    return event
+
+
+# Non-finite values go out as "NaN", "Infinity" and "-Infinity" (strict JSON has no literal
+# for them) and come back in as floats.
+_strict = ConfigDict(extra="forbid", allow_inf_nan=True, ser_json_inf_nan="strings")
+
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Attempt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Finite: an epoch is counted, never diverges, and it is stored as is (SQLite would turn a
+# NaN into NULL, PostgreSQL keep it and JSON fail to serve it).
+Epoch = Annotated[float | None, Field(allow_inf_nan=False)]
+
+
+def _replace_nul(value: str | None) -> str | None:
+    # Free text (an error message quoting a binary file) may carry NUL; PostgreSQL text
+    # cannot. Refusing it would lose the worker's failure message, so it is replaced.
+    return value.replace("\x00", "\ufffd") if value is not None else None
+
+
+Message = Annotated[str, Field(max_length=10_000), AfterValidator(_replace_nul)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(refuse_nul)]
+
+# A diverging run's loss is a real outcome worth seeing, so non-finite values are taken.
+# Strict JSON has no literal for them: the worker sends them as strings (`ser_json_inf_nan`
+# below), and a bare NaN token is read too.
+MetricValue = Annotated[
+    float,
+    Field(
+        description='A number, or "NaN", "Infinity" or "-Infinity" for one that is not '
+        "finite. Stored and served as `null` with `nonfinite` set to "
+        '"nan", "inf" or "-inf" (JSON and SQLite cannot hold them).'
+    ),
+]
+
+
+# deepspeed: a training checkpoint; hf: a full model export; adapter: a LoRA adapter export
+# (peft).
+CheckpointKind = Literal["deepspeed", "hf", "adapter"]
+
+
+class ErrorBody(BaseModel):
+    model_config = _strict
+    code: Annotated[FailureCode, AfterValidator(_said_by_worker)]
+    message: Message
+
+
+class StatusPost(BaseModel):
+    model_config = _strict
+    attempt: Attempt
+    status: Literal["running", "succeeded", "failed"]
+    message: Message | None = None
+    error: ErrorBody | None = None
+
+
+class MetricPoint(BaseModel):
+    model_config = _strict
+    step: Count
+    name: MetricName
+    value: MetricValue
+    time: datetime
+
+
+class Progress(BaseModel):
+    model_config = _strict
+    step: Count
+    total_steps: Count | None = None
+    epoch: Epoch = None
+
+
+class MetricsPost(BaseModel):
+    model_config = _strict
+    attempt: Attempt
+    points: list[MetricPoint] = Field(max_length=10_000)
+    progress: Progress | None = None
+
+
+class CheckpointPost(BaseModel):
+    model_config = _strict
+    attempt: Attempt
+    step: Count
+    epoch: Epoch = None
+    path: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(refuse_nul)]
+    kind: CheckpointKind
+    metrics: dict[MetricName, MetricValue] = Field(default_factory=dict)
+
+
+class EventPost(BaseModel):
+    model_config = _strict
+    attempt: Attempt
+    type: Annotated[EventType, AfterValidator(_posted_by_worker)]
+    message: Message

@@ -1,0 +1,44 @@
+"""The layers' one rule: the service (`app`) and the worker (`worker`) stand side by side on
+`contract`, and neither reaches into the other, at the top of a module or inside a function.
+The service ships the worker to Ray as a package; an import across would pull the one's
+dependencies into the other's process (torch into the service, FastAPI into every rank)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each package, and the packages it may not import.
+FORBIDDEN = {"app": {"worker", "bench"}, "worker": {"app", "bench"}, "contract": {"app", "worker"}}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every top-level package a module imports, wherever in the module the import is."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_package_imports_across_the_layers(package: str) -> None:
+    modules = sorted((ROOT / package).rglob("*.py"))
+    assert modules
+    crossing = {
+        str(path.relative_to(ROOT)): sorted(_imports(path) & FORBIDDEN[package])
+        for path in modules
+        if _imports(path) & FORBIDDEN[package]
+    }
+    assert crossing == {}
+
+
+def test_the_rule_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from worker.trainer import build_trainer\n    import app.db\n")
+    assert _imports(module) == {"worker", "app"}
