@@ -1,5 +1,5 @@
 """`python -m app` is the `tuneyard` command."""
 
-from app.cli import main
+from app.cli.commands import main
 
 main()

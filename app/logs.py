@@ -6,7 +6,7 @@ from `extra={"run_id": ...}` (see `run_log`) or, inside a request for `/v1/runs/
 
 `redact` is applied wherever text leaves the service: log lines, run events and errors
 (app/services/lifecycle.py), a job's log (app/services/run_logs.py), /healthz, and the
-messages of Ray's errors (app/ray_jobs.py).
+messages of Ray's errors (app/cluster/ray_jobs.py).
 """
 
 from __future__ import annotations

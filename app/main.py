@@ -17,20 +17,20 @@ from app.api import dashboard, files, fine_tuning, health, internal, prometheus,
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
-from app.db import make_engine, make_read_engine, make_session_factory
-from app.dispatch import Dispatcher
+from app.cluster.dispatch import Dispatcher
+from app.cluster.ray_head import ensure_local_head, stop_local_head
+from app.cluster.ray_jobs import RayJobs
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
-from app.migrate import prepare_database
-from app.ray_head import ensure_local_head, stop_local_head
-from app.ray_jobs import RayJobs
 from app.schemas.profile import ValidateRequest
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileReaper
-from app.services.tracking_rules import configure_sessions as configure_tracking_sessions
+from app.services.rules.tracking_rules import configure_sessions as configure_tracking_sessions
 from app.services.webhook_delivery import WebhookDeliverer
 from app.services.webhooks import configure_sessions
 from app.settings import Settings
+from app.storage.db import make_engine, make_read_engine, make_session_factory
+from app.storage.migrate import prepare_database
 
 log = logging.getLogger("tuneyard")
 

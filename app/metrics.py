@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
+from app.storage.models import Run
 from contract.statuses import RunStatus
 
 # Seconds from a run entering the queue to Ray accepting its job. It includes the wait for a

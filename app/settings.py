@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.services.webhook_addresses import AddressPolicy
+from app.services.rules.webhook_addresses import AddressPolicy
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
 from contract.run_request import TERMINAL_WEBHOOK_EVENTS, WEBHOOK_EVENTS, WebhookSpec
 from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
@@ -35,7 +35,7 @@ class SourceRoots(list[Path]):
     most specific first): its uploads and the rest of its storage (every run's checkpoints
     and exports, profiles), each an API key's own and reached through a file or run id that
     only its owner can use, and its state. A list, so that callers which only know the
-    allowed roots keep working. app/services/path_rules.py applies it."""
+    allowed roots keep working. app/services/rules/path_rules.py applies it."""
 
     def __init__(
         self, allowed: Iterable[Path], *, refused: Mapping[Path, ServiceFolder] | None = None

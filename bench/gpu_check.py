@@ -238,7 +238,7 @@ def build_llama(folder: Path, shape: LlamaShape, *, max_positions: int) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
-    from app.tiny_assets import build_tokenizer
+    from app.cli.tiny_assets import build_tokenizer
 
     if (folder / "config.json").exists():
         return folder
@@ -260,7 +260,7 @@ def build_llama(folder: Path, shape: LlamaShape, *, max_positions: int) -> Path:
 
 def build_assets(root: Path, settings: CheckSettings) -> tuple[Path, Path]:
     """The model folder and a jsonl dataset under `root`."""
-    from app.tiny_assets import build_tiny_llama, write_jsonl_dataset
+    from app.cli.tiny_assets import build_tiny_llama, write_jsonl_dataset
 
     if settings.dry_run:
         model = build_tiny_llama(root / "tiny-llama", max_positions=max(128, settings.seq_length))
@@ -461,7 +461,7 @@ def report_notes(
     measurements: list[Measurement],
 ) -> list[str]:
     model = (
-        "tiny Llama (app.tiny_assets.build_tiny_llama)"
+        "tiny Llama (app.cli.tiny_assets.build_tiny_llama)"
         if settings.dry_run
         else f"Llama {GPU_MODEL.num_layers} layers, hidden {GPU_MODEL.hidden_size}, "
         f"{GPU_MODEL.num_heads} heads, MLP {GPU_MODEL.intermediate_size}"

@@ -116,9 +116,9 @@ def make_live_run(base_url: str, key: str, database_url: str, body: dict[str, An
     reversed, good enough for a benchmark."""
     from sqlalchemy import update
 
-    from app.db import make_engine, make_session_factory, transaction
-    from app.models import Run
     from app.security import hash_secret
+    from app.storage.db import make_engine, make_session_factory, transaction
+    from app.storage.models import Run
 
     auth = {"Authorization": f"Bearer {key}"}
     run_id: str = httpx.post(f"{base_url}/v1/runs", json=body, headers=auth, timeout=30).json()[

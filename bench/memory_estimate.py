@@ -65,7 +65,7 @@ def build_llama(root: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.tiny_assets import build_tokenizer
+    from app.cli.tiny_assets import build_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer: Any = build_tokenizer(folder)
@@ -84,7 +84,7 @@ def build_llama(root: Path) -> Path:
 
 
 def build_tiny_gpt2(root: Path) -> Path:
-    from app.tiny_assets import build_tiny_gpt2 as build
+    from app.cli.tiny_assets import build_tiny_gpt2 as build
 
     folder = root / "tiny-gpt2"
     return folder if (folder / "config.json").exists() else build(folder, n_positions=512)
@@ -368,7 +368,7 @@ def main() -> None:
         run_probe(json.loads(args.probe), worker=args.worker, out=args.out, steps=args.steps)
         return
 
-    from app.tiny_assets import write_jsonl_dataset
+    from app.cli.tiny_assets import write_jsonl_dataset
 
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     results: list[dict[str, Any]] = []

@@ -53,13 +53,13 @@ class Fixture:
 
 def prepare(database_url: str, assets: TinyAssets, *, runs: int) -> Fixture:
     """An API key and `runs` running runs with tokens, written with the service's own code."""
-    from app.db import make_engine, make_session_factory, transaction
-    from app.migrate import upgrade_database
-    from app.models import Run
     from app.security import hash_secret
     from app.services import lifecycle
     from app.services.api_keys import create_api_key
     from app.services.runs import create_run
+    from app.storage.db import make_engine, make_session_factory, transaction
+    from app.storage.migrate import upgrade_database
+    from app.storage.models import Run
     from contract.run_request import RunRequest
 
     upgrade_database(database_url)

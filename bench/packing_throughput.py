@@ -43,7 +43,7 @@ TARGET_RATIO = 3.0
 
 def news_texts(tokenizer: Any, n: int, *, seed: int = 11) -> list[str]:
     """`n` texts of news-like words whose token counts are lognormal around MEDIAN_TOKENS."""
-    from app.tiny_assets import news_lines
+    from app.cli.tiny_assets import news_lines
 
     words = " ".join(news_lines(20_000, seed=seed)).split()
     sample = " ".join(words[:5000])

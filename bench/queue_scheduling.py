@@ -54,8 +54,8 @@ def _spec(rng: random.Random) -> dict[str, Any]:
 
 
 def _fill(factory: sessionmaker[Session]) -> None:
-    from app.models import ApiKey, Run, new_id, utcnow
     from app.services.queue import asked_gpus
+    from app.storage.models import ApiKey, Run, new_id, utcnow
 
     rng = random.Random(7)
     now = utcnow()
@@ -92,7 +92,7 @@ def _fill(factory: sessionmaker[Session]) -> None:
 
 @contextmanager
 def _database(kind: str, pg_url: str) -> Iterator[str]:
-    from app.migrate import upgrade_database
+    from app.storage.migrate import upgrade_database
 
     if kind == "sqlite":
         with tempfile.TemporaryDirectory() as tmp:
@@ -116,10 +116,10 @@ def _database(kind: str, pg_url: str) -> Iterator[str]:
 
 
 def _measure(url: str, passes: int) -> dict[str, object]:
-    from app.db import make_engine, make_session_factory
-    from app.models import Run, utcnow
     from app.services import lifecycle, queue
     from app.settings import Settings
+    from app.storage.db import make_engine, make_session_factory
+    from app.storage.models import Run, utcnow
 
     engine = make_engine(url)
     factory = make_session_factory(engine)

@@ -273,7 +273,7 @@ class TinyAssets:
 
 def build_tiny_assets(root: Path, *, rows: int = 512) -> TinyAssets:
     """A tiny GPT-2 (with its tokenizer) and a jsonl dataset under `root`; reused if built."""
-    from app.tiny_assets import build_tiny_gpt2, write_jsonl_dataset
+    from app.cli.tiny_assets import build_tiny_gpt2, write_jsonl_dataset
 
     model = root / "tiny-gpt2"
     dataset = root / "news.jsonl"

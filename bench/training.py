@@ -23,7 +23,7 @@ WARMUP_STEPS = 10
 
 def build_model(root: Path) -> Path:
     """The tests' tiny GPT-2 (~100k parameters, 2 layers), with room for 512 positions."""
-    from app.tiny_assets import build_tiny_gpt2
+    from app.cli.tiny_assets import build_tiny_gpt2
 
     model = root / "tiny-gpt2-512"
     if not (model / "config.json").exists():

@@ -39,7 +39,7 @@ TARGET_RATIO = 1.05
 def long_texts(n: int, *, lines_per_text: int = 60) -> list[str]:
     """News-like texts, each longer than SEQ_LENGTH tokens: every sample is truncated to a
     full row, so neither side pads."""
-    from app.tiny_assets import news_lines
+    from app.cli.tiny_assets import news_lines
 
     lines = news_lines(n * lines_per_text, seed=7)
     return [" ".join(lines[i * lines_per_text : (i + 1) * lines_per_text]) for i in range(n)]

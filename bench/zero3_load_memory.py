@@ -163,7 +163,7 @@ def _map_large_allocations() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
-    from app.tiny_assets import write_jsonl_dataset
+    from app.cli.tiny_assets import write_jsonl_dataset
     from bench.service import running_service
 
     results: dict[str, list[dict[str, Any]]] = {}

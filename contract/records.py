@@ -1,5 +1,5 @@
 """What makes one chat or preference record trainable: the rules that an upload is checked
-with (app/services/file_checks.py) and that the worker applies to every record it reads
+with (app/services/rules/file_checks.py) and that the worker applies to every record it reads
 (worker/chat.py, worker/preference.py), so a file the service accepted never fails them on
 the cluster.
 

@@ -8,7 +8,7 @@ py_modules) and validating a request never loads torch.
 
 Every field but `model` and `dataset.source` has a default. Unknown fields are refused,
 so a typo never silently falls back to a default. The rules between fields, and those
-that need the file system or settings, live in app/services/run_rules.py.
+that need the file system or settings, live in app/services/rules/run_rules.py.
 """
 
 from __future__ import annotations
@@ -400,7 +400,7 @@ _HOST_NAME = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?
 def webhook_url_problem(value: str) -> str | None:
     """Why `value` is not a URL a webhook can be POSTed to, as httpx (the deliverer's client)
     parses it, or None. The URL only: where it may point is the service's rule
-    (app/services/webhook_addresses.py), which needs its settings and DNS."""
+    (app/services/rules/webhook_addresses.py), which needs its settings and DNS."""
     if not re.match(r"^https?://[^/?#\s]+", value, flags=re.IGNORECASE):
         return (
             f"{_shown(value)} is not an http:// or https:// URL: webhooks are delivered by "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from app.db import make_engine
-from app.models import Base
+from app.storage.db import make_engine
+from app.storage.models import Base
 from app.settings import Settings
 
 config = context.config

@@ -19,44 +19,30 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import make_engine, make_session_factory, transaction
 from app.main import create_app
-from app.migrate import upgrade_database
-from app.models import Base
 from app.ports import free_port
 from app.services.api_keys import create_api_key
 from app.settings import Settings
-
-# The PostgreSQL server tests run against; each test session makes its own database in it.
-POSTGRES_ADMIN_URL = os.environ.get(
-    "TUNEYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
-
-
-def _postgres_reachable() -> bool:
-    try:
-        engine = create_engine(POSTGRES_ADMIN_URL, connect_args={"connect_timeout": 3})
-        with engine.connect():
-            pass
-        engine.dispose()
-        return True
-    except Exception:
-        return False
+from app.storage.db import make_engine, make_session_factory, transaction
+from app.storage.migrate import upgrade_database
+from app.storage.models import Base
+from tests import postgres_server
 
 
-def create_postgres_database() -> str:
-    """A fresh, empty database; its URL."""
+def create_postgres_database(admin_url: str | None = None) -> str:
+    """A fresh, empty database in the tests' server (tests/postgres_server.py); its URL."""
+    admin_url = admin_url or postgres_server.admin_url()
     name = f"tuneyard_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
-    return make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
 
 
-def drop_postgres_database(url: str) -> None:
+def drop_postgres_database(url: str, admin_url: str | None = None) -> None:
     name = make_url(url).database
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(admin_url or postgres_server.admin_url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
@@ -65,7 +51,7 @@ def drop_postgres_database(url: str) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def venv_tools_on_path() -> Iterator[None]:
     """This environment's bin folder first on PATH for everything the tests start, as the
-    embedded Ray head gives its jobs (app/ray_head.py). DeepSpeed JIT-builds its ops (shm
+    embedded Ray head gives its jobs (app/cluster/ray_head.py). DeepSpeed JIT-builds its ops (shm
     comm, CPU Adam) with whichever `ninja` PATH finds, and the venv's (pip's, 1.13) and the
     system's (1.11) hash the build commands in .ninja_log differently: every switch between
     a process started here and a job on Ray rebuilt both ops from scratch (about 75 s)
@@ -78,10 +64,11 @@ def venv_tools_on_path() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """One migrated PostgreSQL database for the session; tests empty it between them."""
-    if not _postgres_reachable():
+    admin_url = postgres_server.admin_url()
+    if not postgres_server.answers(admin_url):
         if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_ADMIN_URL}")
-        pytest.skip(f"PostgreSQL is not reachable at {POSTGRES_ADMIN_URL}")
+            pytest.fail(f"PostgreSQL is not reachable at {admin_url}")
+        pytest.skip(f"PostgreSQL is not reachable at {admin_url}")
     url = create_postgres_database()
     upgrade_database(url)
     yield url
@@ -152,21 +139,21 @@ def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_models_root: Path) -> Path:
     """A tiny GPT-2 and tokenizer, built once per test session."""
-    from app.tiny_assets import build_tiny_gpt2
+    from app.cli.tiny_assets import build_tiny_gpt2
 
     return build_tiny_gpt2(tiny_models_root / "gpt2")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_models_root: Path) -> Path:
-    from app.tiny_assets import build_tiny_llama
+    from app.cli.tiny_assets import build_tiny_llama
 
     return build_tiny_llama(tiny_models_root / "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tiny_models_root: Path) -> Path:
-    from app.tiny_assets import build_tiny_bert
+    from app.cli.tiny_assets import build_tiny_bert
 
     return build_tiny_bert(tiny_models_root / "bert")
 

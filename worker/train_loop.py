@@ -181,161 +181,206 @@ def model_hidden_size(spec: RunSpec) -> int | None:
 
 
 def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preemption) -> None:
-    from worker.evaluation import evaluate
+    attempt = Attempt.start(spec, rank=rank, sinks=sinks)
+    if attempt.train(preemption):
+        # Stopped for the scheduler, its checkpoint saved: no final evaluation, no export and
+        # no "succeeded". The driver tells the service, which requeues the run.
+        log.info("stopped at step %d for the scheduler; checkpoint saved", attempt.step)
+        return
+    attempt.finish()
+    attempt.export()
 
-    setup_started = time.perf_counter()
-    training = build_training(spec, rank=rank)
-    engine, data, plan = training.engine, training.data, training.plan
-    sinks.event(
-        EventType.ENGINE_READY,
-        f"tokenizer, data, model and DeepSpeed engine ready in "
-        f"{time.perf_counter() - setup_started:.1f}s",
-    )
-    for note in data.notes:
-        sinks.event(EventType.DATA_FITTED, note)
-    restored = restore_checkpoint(engine, spec)
-    step = restored.step
-    if step:
-        # Every rank restored; rank 0 says from where, retried: it is the run's record.
-        sinks.record(
-            EventType.RESUMED, f"attempt {spec.attempt}: resumed from the checkpoint at step {step}"
+
+@dataclass(slots=True)
+class Attempt:
+    """One rank's part of one attempt: the engine, the step it is at, the last step it
+    saved, and the evaluation watch (which checkpoint is best, whether to stop early: the
+    same on every rank)."""
+
+    spec: RunSpec
+    rank: int
+    sinks: MetricSinks
+    training: Training
+    watch: EvalWatch
+    step: int
+    saved_at: int | None
+
+    @classmethod
+    def start(cls, spec: RunSpec, *, rank: int, sinks: MetricSinks) -> Attempt:
+        """Built, and restored from the run's latest checkpoint where it has one."""
+        setup_started = time.perf_counter()
+        training = build_training(spec, rank=rank)
+        sinks.event(
+            EventType.ENGINE_READY,
+            f"tokenizer, data, model and DeepSpeed engine ready in "
+            f"{time.perf_counter() - setup_started:.1f}s",
         )
-    log.info("training steps %d..%d", step, plan.total_steps)
-    # Which checkpoint is best, and whether to stop early (the same on every rank).
-    watch = EvalWatch(spec)
-    watch.load_state_dict(restored.watch)
-    saved_at = step if step else None
-
-    def run_eval(at: int) -> None:
-        if data.eval is not None:
-            metrics = evaluate(
-                engine,
-                data.eval,
-                task=spec.task,
-                num_labels=len(data.labels or []) or 1,
-                group=sinks.group,
-                method=spec.method,
-                reference=training.reference,
+        for note in training.data.notes:
+            sinks.event(EventType.DATA_FITTED, note)
+        restored = restore_checkpoint(training.engine, spec)
+        step = restored.step
+        if step:
+            # Every rank restored; rank 0 says from where, retried: it is the run's record.
+            sinks.record(
+                EventType.RESUMED,
+                f"attempt {spec.attempt}: resumed from the checkpoint at step {step}",
             )
-            sinks.log_eval(metrics, step=at)
-            watch.observe(metrics, step=at)
+        log.info("training steps %d..%d", step, training.plan.total_steps)
+        watch = EvalWatch(spec)
+        watch.load_state_dict(restored.watch)
+        return cls(spec, rank, sinks, training, watch, step, saved_at=step if step else None)
 
-    def checkpoint(at: int, *, marker: dict[str, Any] | None = None) -> None:
-        nonlocal saved_at
-        sinks.flush()
-        save_and_report_checkpoint(
-            engine,
-            spec,
-            step=at,
-            epoch=plan.epoch_at(at),
-            # With the ranking metric of this step, NaN between evaluations (see `ranked`).
-            metrics=watch.ranked({**sinks.latest, **(marker or {})}, step=at),
-            watch=watch.state_dict(),
-        )
-        saved_at = at
+    def train(self, preemption: Preemption) -> bool:
+        """Steps to the plan's end or an early stop; True when stopped for the scheduler."""
+        plan, tr = self.training.plan, self.spec.training
+        batches = batches_from(plan, self.training.data.train, self.step)
+        tokens_since_log = 0
+        while self.step < plan.total_steps and self.watch.state.stopped is None:
+            step = self.step + 1
+            logged = step % tr.log_every_n_steps == 0 or step == plan.total_steps
+            result, elapsed = self._step(batches, timed=logged)
+            self.step = step
+            tokens_since_log += result.tokens
+            # Once per optimizer step, on every rank alike. The last step is never
+            # preempted: the run ends there anyway.
+            asked = step < plan.total_steps and preemption.agreed()
+            if logged or asked:
+                # A step the attempt may stop at is logged even off the logging grid, so
+                # that `tokens` (summed since the last logged step) loses no step.
+                self.sinks.log_step(
+                    self.training.engine,
+                    step=step,
+                    epoch=plan.epoch_at(step),
+                    elapsed=elapsed,
+                    result=result,
+                    total_steps=plan.total_steps,
+                    tokens_since_log=tokens_since_log,
+                )
+                tokens_since_log = 0
+            evaluated = _on_grid(step, tr.eval_every_n_steps, plan.total_steps)
+            if evaluated:
+                # Before a preemption's checkpoint too, as an uninterrupted run evaluates.
+                self.evaluate()
+            # An early stop decided at this step ends the run here, export and all: nothing
+            # would be left to resume.
+            preempted = asked and self.watch.state.stopped is None
+            periodic = _on_grid(step, self.spec.checkpointing.every_n_steps, plan.total_steps)
+            # One checkpoint per step at most: a ranked evaluation's, which keeps its weights
+            # (the best checkpoint is one of these, and a stop decided here resumes as a
+            # stop), a periodic one, or the preemption's. That one carries the marker the
+            # driver reads, and is Ray Train's latest, where the next attempt resumes.
+            if preempted or (evaluated and self.watch.active) or (periodic and not self.saved):
+                self.checkpoint(marker=preemption.marker() if preempted else None)
+            if preempted:
+                return True
+            hold_if_asked(self.spec.run_id, step)  # a test's hold; off unless configured
+        return False
 
-    batches = batches_from(plan, data.train, step)
-    tr = spec.training
-    tokens_since_log = 0
-    preempted = False
-    while step < plan.total_steps and watch.state.stopped is None:
-        logged = (step + 1) % tr.log_every_n_steps == 0 or step + 1 == plan.total_steps
-        if logged:
-            # A GPU runs behind the host: time a logged step from an idle device to an
-            # idle device. Other steps never wait for it.
-            _synchronize(training.device)
+    def _step(self, batches: Iterator[dict[str, Any]], *, timed: bool) -> tuple[StepResult, float]:
+        """One optimizer step and its wall time. A GPU runs behind the host: a timed step is
+        measured from an idle device to an idle device; other steps never wait for it."""
+        if timed:
+            _synchronize(self.training.device)
         started = time.perf_counter()
         result = train_step(
-            engine,
+            self.training.engine,
             batches,
-            spec=spec,
-            device=training.device,
-            group=sinks.group,
-            reference=training.reference,
+            spec=self.spec,
+            device=self.training.device,
+            group=self.sinks.group,
+            reference=self.training.reference,
         )
-        step += 1
-        tokens_since_log += result.tokens
-        if logged:
-            _synchronize(training.device)
-        elapsed = time.perf_counter() - started
-        # Once per optimizer step, on every rank alike. The last step is never preempted:
-        # the run ends there anyway.
-        asked = step < plan.total_steps and preemption.agreed()
-        if logged or asked:
-            # A step the attempt may stop at is logged even off the logging grid, so that
-            # `tokens` (summed since the last logged step) loses no step.
-            sinks.log_step(
-                engine,
-                step=step,
-                epoch=plan.epoch_at(step),
-                elapsed=elapsed,
-                result=result,
-                total_steps=plan.total_steps,
-                tokens_since_log=tokens_since_log,
-            )
-            tokens_since_log = 0
-        evaluated = bool(
-            tr.eval_every_n_steps and step % tr.eval_every_n_steps == 0 and step < plan.total_steps
-        )
-        if evaluated:
-            # Before a preemption's checkpoint too, as an uninterrupted run evaluates here.
-            run_eval(step)
-        # An early stop decided at this step ends the run here, export and all: nothing
-        # would be left to resume.
-        preempted = asked and watch.state.stopped is None
-        every = spec.checkpointing.every_n_steps
-        periodic = bool(every and step % every == 0 and step < plan.total_steps)
-        # One checkpoint per step at most: a ranked evaluation's, which keeps its weights
-        # (the best checkpoint is one of these, and a stop decided here resumes as a stop),
-        # a periodic one, or the preemption's. That one carries the marker the driver reads,
-        # and is Ray Train's latest, where the next attempt resumes.
-        if preempted or (evaluated and watch.active) or (periodic and saved_at != step):
-            checkpoint(step, marker=preemption.marker() if preempted else None)
-        if preempted:
-            break
-        hold_if_asked(spec.run_id, step)  # a test's hold; off unless configured
+        if timed:
+            _synchronize(self.training.device)
+        return result, time.perf_counter() - started
 
-    if preempted:
-        # The attempt ends here, without a final evaluation or an export, and without
-        # "succeeded": the driver tells the service, which requeues the run.
-        log.info("stopped at step %d for the scheduler; checkpoint saved", step)
-        return
-    if watch.state.stopped is not None:
-        if sinks.client is not None:
-            # Retried, unlike informational events: the run's result is made of it.
-            sinks.client.event(EventType.EARLY_STOPPED, watch.state.stopped)
-    elif saved_at != step:
-        run_eval(step)
-    if saved_at != step:
-        checkpoint(step)
-    export_step = step
-    best = watch.state.best_step
-    if spec.checkpointing.export_hf and spec.export.from_ == "best" and best not in (None, step):
-        assert best is not None
-        load_weights_of_step(engine, spec, step=best)
-        export_step = best
-        sinks.event(EventType.EXPORT_FROM_BEST, f"exporting the best checkpoint, step {best}")
-    if spec.checkpointing.export_hf:
-        probe = next(iter(data.train))
+    @property
+    def saved(self) -> bool:
+        return self.saved_at == self.step
+
+    def evaluate(self) -> None:
+        """On the eval split, at the current step; the watch ranks and may stop the run."""
+        from worker.evaluation import evaluate
+
+        data = self.training.data
+        if data.eval is None:
+            return
+        metrics = evaluate(
+            self.training.engine,
+            data.eval,
+            task=self.spec.task,
+            num_labels=len(data.labels or []) or 1,
+            group=self.sinks.group,
+            method=self.spec.method,
+            reference=self.training.reference,
+        )
+        self.sinks.log_eval(metrics, step=self.step)
+        self.watch.observe(metrics, step=self.step)
+
+    def checkpoint(self, *, marker: dict[str, Any] | None = None) -> None:
+        """A DeepSpeed checkpoint of the current step, reported to Ray Train (and by it to
+        the service), after every metric up to it is delivered."""
+        self.sinks.flush()
+        save_and_report_checkpoint(
+            self.training.engine,
+            self.spec,
+            step=self.step,
+            epoch=self.training.plan.epoch_at(self.step),
+            # With the ranking metric of this step, NaN between evaluations (see `ranked`).
+            metrics=self.watch.ranked({**self.sinks.latest, **(marker or {})}, step=self.step),
+            watch=self.watch.state_dict(),
+        )
+        self.saved_at = self.step
+
+    def finish(self) -> None:
+        """The end of a run that was not preempted: said if it stopped early, else evaluated
+        at its last step; its last step checkpointed either way."""
+        if self.watch.state.stopped is not None:
+            if self.sinks.client is not None:
+                # Retried, unlike informational events: the run's result is made of it.
+                self.sinks.client.event(EventType.EARLY_STOPPED, self.watch.state.stopped)
+        elif not self.saved:
+            self.evaluate()
+        if not self.saved:
+            self.checkpoint()
+
+    def export(self) -> None:
+        """The model as `from_pretrained` loads it (and the adapter, for LoRA), from the last
+        step or the best one; rank 0 reports each export to the service."""
+        spec, engine, sinks = self.spec, self.training.engine, self.sinks
+        if not spec.checkpointing.export_hf:
+            return
+        export_step = self.step
+        best = self.watch.state.best_step
+        if spec.export.from_ == "best" and best is not None and best != self.step:
+            load_weights_of_step(engine, spec, step=best)
+            export_step = best
+            sinks.event(EventType.EXPORT_FROM_BEST, f"exporting the best checkpoint, step {best}")
         exports = export_hf_model(
             engine,
-            training.tokenizer,
+            self.training.tokenizer,
             spec,
-            rank=rank,
-            probe=probe,
-            zero3_config=training.zero3_config,
+            rank=self.rank,
+            probe=next(iter(self.training.data.train)),
+            zero3_config=self.training.zero3_config,
         )
-        if rank == 0 and sinks.client is not None:
+        if self.rank == 0 and sinks.client is not None:
             # The adapter first: a full model posted after it is the run's model_path.
             for export in exports:
                 sinks.client.checkpoint(
                     step=export_step,
-                    epoch=plan.epoch_at(export_step),
+                    epoch=self.training.plan.epoch_at(export_step),
                     path=export.path,
                     kind=export.kind,
                     metrics={"export_max_logit_diff": export.max_diff},
                 )
                 sinks.exported(export.path, export.kind)
+
+
+def _on_grid(step: int, every: int | None, total_steps: int) -> bool:
+    """Whether `step` is one of every `every` steps, short of the last (which the end of the
+    run evaluates and checkpoints anyway)."""
+    return bool(every and step % every == 0 and step < total_steps)
 
 
 @dataclass(slots=True)

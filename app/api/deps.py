@@ -12,17 +12,17 @@ from fastapi import Depends, Request
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from app import db
-from app.api.loop_writes import LoopWriter
-from app.api.slots import Slots
-from app.dispatch import Dispatcher
+from app.cluster.dispatch import Dispatcher
+from app.cluster.ray_jobs import RayJobs
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
-from app.ray_jobs import RayJobs
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileSlots
 from app.settings import Settings
+from app.storage import db
+from app.storage.loop_writes import LoopWriter
+from app.storage.slots import Slots
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class AppState:
     dispatcher: Dispatcher | None = None
     # The cluster's nodes, for refusing runs it can never place (None without Ray).
     cluster: ClusterView | None = None
-    # Admission of database work (sized in app/db.py, read when the app is made; see
+    # Admission of database work (sized in app/storage/db.py, read when the app is made; see
     # `Admission` for why).
     admission: Admission = field(default_factory=lambda: Admission())
     # SQLite writes on the event loop (`run_in_write_session`).
@@ -112,7 +112,7 @@ class Admission:
 
     Every database connection a request uses is taken under a slot awaited here, on the event
     loop, before the work goes to a worker thread: a request waiting for a slot holds neither
-    a thread nor a connection. The pools (app/db.py) hold a connection for every slot at
+    a thread nor a connection. The pools (app/storage/db.py) hold a connection for every slot at
     once, so admitted work never waits for a connection. An admitted session's end (commit or
     rollback, then close, which returns its connection) runs on threads of its own
     (`session_threads`), so it never queues behind routes for one of AnyIO's 40 shared worker
@@ -126,7 +126,7 @@ class Admission:
     requests hold no slot (`AppState.ray_calls`): Ray's client waits without a timeout.
     A session slot is never taken while another is held (`run_in_read_session` serves routes
     without `SessionDep`). A request's second and later slots go ahead of new requests
-    (app/api/slots.py), so one that needs several waits for admission about once."""
+    (app/storage/slots.py), so one that needs several waits for admission about once."""
 
     def __init__(self) -> None:
         self.sessions = Slots(db.REQUEST_SESSION_SLOTS)
@@ -233,7 +233,7 @@ async def run_in_write_session(request: Request, write: Callable[[Session], T]) 
 
     On SQLite the write runs right here on the event loop, as reads do
     (`run_in_read_session`): a few statements on a local file, at once when the database's
-    lock is free, else in the process's queue of such writes (app/api/loop_writes.py). What
+    lock is free, else in the process's queue of such writes (app/storage/loop_writes.py). What
     that avoids is what 200 clients measured (BENCHMARKS.md, load): writers queued, each
     making trips to a worker thread under the lock, waiting on every trip for a thread, a
     connection and the GIL of a busy loop, seconds in all. Other databases are a network

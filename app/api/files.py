@@ -29,13 +29,13 @@ from app.api.deps import (
     run_in_write_session,
 )
 from app.api.openai_compat import speaks_openai
-from app.models import File
 from app.schemas.errors import ErrorResponse, error_responses
 from app.schemas.file_view import FileList, FileView
 from app.schemas.openai_shapes import FileDeleted, OpenAIError, OpenAIFile, OpenAIFileList
 from app.schemas.security_schemes import api_key
 from app.services import files
-from app.services.file_checks import RecordChecks, checks_for
+from app.services.rules.file_checks import RecordChecks, checks_for
+from app.storage.models import File
 from contract.bounds import refuse_nul
 from contract.datasets import Purpose
 
@@ -60,7 +60,7 @@ def _errors(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
 
 
 # Any text: an id no file can have (a NUL, which PostgreSQL refuses in text, a megabyte) is
-# a 404, as an unknown one is, and never reaches a query (app/models.py `is_minted`).
+# a 404, as an unknown one is, and never reaches a query (app/storage/models.py `is_minted`).
 FileId = Annotated[str, Path(description="The file's id, as `POST /v1/files` returned it")]
 
 

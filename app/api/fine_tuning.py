@@ -25,7 +25,7 @@ from app.api.deps import (
     run_in_read_session,
     run_in_write_session,
 )
-from app.ray_jobs import try_stop
+from app.cluster.ray_jobs import try_stop
 from app.schemas.errors import error_responses
 from app.schemas.openai_shapes import (
     CheckpointPage,
@@ -64,7 +64,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 # Any text: an id no job can have (a NUL, a megabyte) is a 404, as an unknown one is, and
-# never reaches a query (app/models.py `is_minted`).
+# never reaches a query (app/storage/models.py `is_minted`).
 JobId = Annotated[str, Path(description="The job's id, as creating it returned it")]
 After = Annotated[
     str | None,

@@ -46,7 +46,7 @@ from app.api.deps import (
     run_on_read_connection,
     unauthorized,
 )
-from app.ray_jobs import try_stop
+from app.cluster.ray_jobs import try_stop
 from app.schemas.errors import error_responses
 from app.schemas.run_view import (
     CheckpointList,
@@ -92,7 +92,7 @@ _errors = error_responses({401: _UNAUTHORIZED, 404: _NOT_FOUND, 422: _INVALID_PA
 # Strings that reach a query refuse NUL, and numbers are bounded by their column, so that
 # PostgreSQL never gets a value it would refuse (a 500): the client gets a 422 naming it.
 # An id in the path is any text: one no run can have (a NUL, a megabyte) is a 404, as an
-# unknown one is, and never reaches a query (app/models.py `is_minted`).
+# unknown one is, and never reaches a query (app/storage/models.py `is_minted`).
 RunId = Annotated[str, Path(description="The run's id, as `POST /v1/runs` returned it")]
 # Cursors are short; the bound also keeps a hostile one from nesting deep enough to
 # exhaust the recursion of the JSON decoder that reads the runs list's cursor.

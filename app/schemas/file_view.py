@@ -6,8 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel
 
-from app.models import File
 from app.schemas.run_view import as_utc
+from app.storage.models import File
 
 
 class FileView(BaseModel):

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from app.models import File
 from app.schemas.run_view import as_utc
+from app.storage.models import File
 from contract.bounds import refuse_nul
 from contract.run_request import MetadataKey, MetadataValue
 

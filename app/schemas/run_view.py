@@ -10,8 +10,8 @@ from typing import Any, Literal, Protocol
 from fastapi import Response
 from pydantic import BaseModel, Field
 
-from app.models import Checkpoint, Event, Metric
 from app.schemas.profile import ProfileView
+from app.storage.models import Checkpoint, Event, Metric
 
 # A metric that is not a finite number (a diverging run's loss): JSON and SQLite's REAL
 # hold no NaN or infinity, so it is stored and served as null plus this flag.

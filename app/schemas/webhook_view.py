@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.models import WebhookDelivery
 from app.schemas.run_view import as_utc
+from app.storage.models import WebhookDelivery
 
 
 class WebhookDeliveryView(BaseModel):

@@ -14,8 +14,8 @@ from sqlalchemy import Connection, Table, bindparam, select
 from sqlalchemy.orm import Session
 
 from app.errors import Conflict, NotFound, ValidationFailed, field_problem
-from app.models import ApiKey, new_id, utcnow
 from app.security import hash_secret, new_secret
+from app.storage.models import ApiKey, new_id, utcnow
 from contract.bounds import INT32_MAX
 
 # A key's share of the cluster (app/services/queue.py and scheduling.py apply them); None
@@ -23,7 +23,7 @@ from contract.bounds import INT32_MAX
 LIMITS = ("max_running_runs", "max_queued_runs", "max_gpus", "max_priority")
 # What a key's runs may ask for beyond its share, set alike (None: the default rule, see
 # ApiKey): preemptible false (app/services/queue.py), and where they track
-# (app/services/tracking_rules.py).
+# (app/services/rules/tracking_rules.py).
 PERMISSIONS = ("allow_non_preemptible", "tracking_prefix", "wandb_entity")
 # A limit's or a permission's value.
 KeySetting = int | bool | str | None
@@ -179,8 +179,8 @@ def _find_key(session: Session, ref: str) -> ApiKey:
 def _database(database_url: str) -> Iterator[Session]:
     """A transaction on the service's database outside any request (the CLI, the demo),
     brought to the current schema first, so this works before the first `serve`."""
-    from app.db import make_engine, make_session_factory, transaction
-    from app.migrate import upgrade_database
+    from app.storage.db import make_engine, make_session_factory, transaction
+    from app.storage.migrate import upgrade_database
 
     upgrade_database(database_url)
     engine = make_engine(database_url)

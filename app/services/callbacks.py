@@ -12,13 +12,13 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.errors import Conflict, Unauthorized, ValidationFailed, field_problem
-from app.models import RUN_ID, Checkpoint, Metric, Run, is_minted
 from app.schemas.run_view import CheckpointView, nonfinite_kind, stored_metric_value
 from app.security import hash_secret, secret_matches
 from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
-from app.services.path_rules import run_location
+from app.services.rules.path_rules import run_location
 from app.services.webhooks import enqueue_webhooks
+from app.storage.models import RUN_ID, Checkpoint, Metric, Run, is_minted
 from contract.callbacks import CheckpointPost, EventType, MetricsPost, StatusPost
 from contract.statuses import RunStatus
 from contract.storage import Storage
@@ -122,7 +122,7 @@ def store_metrics(session: Session, run: Run, post: MetricsPost) -> int:
 
 def checked_location(storage: Storage, *, run_id: str, post: CheckpointPost) -> CheckpointPost:
     """`post`, its path normalized, once that path is the run's own (under storage/<run id>/,
-    app/services/path_rules.py); else ValidationFailed naming `path`. Blocking: a local
+    app/services/rules/path_rules.py); else ValidationFailed naming `path`. Blocking: a local
     path's links are followed. A run's model download and a later `model: <run id>` read
     what is recorded here, so nothing outside the run's folder may be."""
     location, message = run_location(storage, run_id, post.path)

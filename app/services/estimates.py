@@ -29,7 +29,7 @@ from typing import Any
 
 from app.services.adapter_sizes import Linear, adapter_parameters, linear_weights
 from app.services.model_files import checkpoint_parameters, safetensors_headers
-from app.services.run_rules import CheckedRequest
+from app.services.rules.run_rules import CheckedRequest
 from contract.deepspeed_config import (
     global_batch_size,
     hidden_size_of,

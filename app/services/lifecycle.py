@@ -19,9 +19,9 @@ from sqlalchemy.orm import Session
 
 from app.errors import Conflict, InvalidTransition
 from app.logs import redact
-from app.models import Event, Run, utcnow
 from app.services import run_result
 from app.services.webhooks import enqueue_webhooks
+from app.storage.models import Event, Run, utcnow
 from contract.callbacks import EventType, FailureCode
 from contract.statuses import RESUMABLE_STATUSES, RunStatus
 

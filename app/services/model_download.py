@@ -13,8 +13,8 @@ import tarfile
 from collections.abc import Iterator
 
 from app.errors import Conflict, NotFound
-from app.models import Run
-from app.services.path_rules import run_location
+from app.services.rules.path_rules import run_location
+from app.storage.models import Run
 from contract.storage import Storage, StorageError, StoredFile
 
 _BLOCK = tarfile.BLOCKSIZE

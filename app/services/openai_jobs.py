@@ -28,7 +28,6 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound, ValidationFailed, field_problem, problems_from_pydantic
-from app.models import Checkpoint, Event, Metric, Run
 from app.schemas.openai_shapes import (
     CheckpointMetrics,
     Job,
@@ -42,6 +41,7 @@ from app.schemas.openai_shapes import (
 from app.schemas.run_view import RunView, as_utc
 from app.services import files, runs
 from app.services.placement import ClusterView
+from app.storage.models import Checkpoint, Event, Metric, Run
 from contract.callbacks import EventType
 from contract.deepspeed_config import global_batch_size
 from contract.run_request import RunDefinition, RunRequest

@@ -16,8 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from app.cluster.ray_jobs import RayUnavailable
 from app.errors import field_problem
-from app.ray_jobs import RayUnavailable
 from contract.placement import NodeResources, placement_shortfalls
 from contract.run_request import ResourcesSpec
 

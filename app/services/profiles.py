@@ -2,7 +2,7 @@
 for (`POST /v1/runs/validate` with `profile: true`).
 
 The service submits a Ray job (`profile-<random>`) with the runtime env of a run's own job
-(app/dispatch.job_runtime_env) and `python -m worker.profile` as its entry point, which
+(app/cluster/dispatch.py `job_runtime_env`) and `python -m worker.profile` as its entry point, which
 builds the training as a run does and times a few steps under Ray Train with the run's
 resources. Rank 0 writes what it measured to `profiles/<id>.json` in storage, or the job's
 driver writes why it failed there. The service waits for the job without holding a thread
@@ -36,9 +36,9 @@ import anyio
 import anyio.to_thread
 
 from app.background import TickLoop
-from app.dispatch import job_runtime_env
+from app.cluster.dispatch import job_runtime_env
+from app.cluster.ray_jobs import JobRecord, JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.errors import TooManyRequests
-from app.ray_jobs import JobRecord, JobState, RayJobs, RayRejected, RayUnavailable, redact
 from app.schemas.profile import ProfileError, ProfileView, WorkerProfile, warmup_steps
 from app.settings import Settings
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, PROFILE_ENV

@@ -20,7 +20,6 @@ from sqlalchemy import Connection, func, select, text, update
 from sqlalchemy.orm import Session
 
 from app.errors import TooManyRequests, Unauthorized, ValidationFailed, field_problem
-from app.models import ApiKey, Run
 from app.schemas.run_view import RunFields, as_utc
 from app.services import lifecycle
 from app.services.lifecycle import preempted_reason
@@ -36,6 +35,7 @@ from app.services.scheduling import (
     queue_order,
 )
 from app.settings import Settings
+from app.storage.models import ApiKey, Run
 from contract.run_request import DEFAULT_PRIORITY
 from contract.statuses import RunStatus
 

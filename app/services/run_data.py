@@ -10,7 +10,7 @@ from sqlalchemy import and_, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.errors import ValidationFailed, field_problem
-from app.models import Checkpoint, Event, Metric, Run
+from app.storage.models import Checkpoint, Event, Metric, Run
 from contract.bounds import INT32_MAX
 from contract.eval_metrics import Mode
 from contract.run_request import RunDefinition

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from app.cluster.ray_jobs import RayJobs, RayUnavailable, redact
 from app.errors import TuneyardError
-from app.models import Run
-from app.ray_jobs import RayJobs, RayUnavailable, redact
+from app.storage.models import Run
 
 
 class RayUnreachable(TuneyardError):

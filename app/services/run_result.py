@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.models import Checkpoint, Run
+from app.storage.models import Checkpoint, Run
 from contract.eval_metrics import at_least_as_good
 from contract.run_request import RunDefinition
 

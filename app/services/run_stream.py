@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import ServerSentEvent
 
 from app.errors import ValidationFailed, field_problem
-from app.models import Event, Metric, Run
 from app.schemas.run_view import EventView, MetricView
 from app.services.run_data import bounded_int
+from app.storage.models import Event, Metric, Run
 from contract.bounds import INT64_MAX
 from contract.statuses import RunStatus
 

@@ -36,15 +36,15 @@ from app.errors import (
     field_problem,
     problems_from_pydantic,
 )
-from app.models import RUN_ID, ApiKey, Run, is_minted, new_id
 from app.schemas.profile import ValidateRequest
 from app.schemas.run_view import RunFields, ValidationReport
 from app.security import hash_secret
 from app.services import data_plan, estimates, lifecycle, queue
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
-from app.services.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
-from app.services.tracking_rules import key_tracking_problems
+from app.services.rules.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
+from app.services.rules.tracking_rules import key_tracking_problems
+from app.storage.models import RUN_ID, ApiKey, Run, is_minted, new_id
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
 from contract.statuses import RunStatus
 from contract.storage import Storage

@@ -39,9 +39,12 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.background import TickLoop
-from app.db import transaction
-from app.models import ApiKey, Run, WebhookDelivery, utcnow
-from app.services.webhook_addresses import REFUSED, AddressPolicy, AddressRefused, guarded_transport
+from app.services.rules.webhook_addresses import (
+    REFUSED,
+    AddressPolicy,
+    AddressRefused,
+    guarded_transport,
+)
 from app.services.webhooks import (
     DELIVERED,
     FAILED,
@@ -53,6 +56,8 @@ from app.services.webhooks import (
     sign,
 )
 from app.settings import Settings
+from app.storage.db import transaction
+from app.storage.models import ApiKey, Run, WebhookDelivery, utcnow
 
 log = logging.getLogger("tuneyard")
 

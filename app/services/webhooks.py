@@ -28,10 +28,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run, WebhookDelivery, new_id, utcnow
 from app.schemas.run_view import RunView
-from app.services.webhook_addresses import AddressPolicy
+from app.services.rules.webhook_addresses import AddressPolicy
 from app.settings import Settings
+from app.storage.models import Run, WebhookDelivery, new_id, utcnow
 
 SIGNATURE_HEADER = "Tuneyard-Signature"
 IDEMPOTENCY_HEADER = "Idempotency-Key"

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import File
 from app.services.model_files import chat_template_of
 from app.settings import Settings
+from app.storage.models import File
 
 USER = {"role": "user", "content": "What is 2 + 2?"}
 ASSISTANT = {"role": "assistant", "content": "4"}
@@ -224,7 +224,7 @@ class TestChatTemplateOf:
 
     @pytest.fixture(scope="class")
     def tokenizer(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
-        from app.tiny_assets import build_tokenizer
+        from app.cli.tiny_assets import build_tokenizer
 
         return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

@@ -23,7 +23,7 @@ import yaml
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from app.cli import ExitCode, app
+from app.cli.commands import ExitCode, app
 from app.main import create_app
 from app.ports import free_port
 from app.services import profiles

@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from app.cluster_usage import free, free_by_node
-from app.ray_jobs import RayJobs, RayUnavailable
+from app.cluster.ray_jobs import RayJobs, RayUnavailable
+from app.cluster.usage import free, free_by_node
 
 PG = "4b2d0a7c56e1f3e8a9b0c1d2e3f40100"
 OTHER_PG = "9e8d7c6b5a4f3e2d1c0b0a0908070100"
@@ -123,7 +123,7 @@ class TestFreeByNode:
     def test_the_ray_client_reports_it_as_ray_unavailable(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """The dispatcher then judges slots and quotas only (app/dispatch.py)."""
+        """The dispatcher then judges slots and quotas only (app/cluster/dispatch.py)."""
 
         class Answer:
             def raise_for_status(self) -> None:

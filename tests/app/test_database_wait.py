@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.migrate import DatabaseUnavailable, wait_for_database
 from app.ports import free_port
+from app.storage.migrate import DatabaseUnavailable, wait_for_database
 
 
 def test_a_database_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:

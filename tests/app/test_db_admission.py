@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from app import db
 from app.main import create_app
 from app.settings import Settings
+from app.storage import db
 from tests.app.conftest import start_run
 from tests.conftest import make_api_key
 from tests.factories import run_request
@@ -131,7 +131,7 @@ class TestAdmission:
 
 class TestWritesOnTheLoop:
     """SQLite writes that touch the database alone run on the event loop when its lock is
-    free (app/api/deps.py run_in_write_session, app/db.py write_if_unlocked)."""
+    free (app/api/deps.py run_in_write_session, app/storage/db.py write_if_unlocked)."""
 
     @pytest.fixture
     def sqlite_factory(self, tmp_path: Path) -> Any:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from app.demo import HUB_DATASET, HUB_MODEL, demo_request
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.demo import HUB_DATASET, HUB_MODEL, demo_request
+from app.cli.tiny_assets import write_jsonl_dataset
 
 
 def test_offline_demo_request_is_valid(

@@ -430,7 +430,7 @@ class TestImage:
         self, builds: dict[str, list[tuple[str, str]]]
     ) -> None:
         """The Ray image gets Ray, DeepSpeed and transformers at pyproject's versions; the API
-        image also carries the migrations it applies at start (see app/migrate.py)."""
+        image also carries the migrations it applies at start (see app/storage/migrate.py)."""
         for name, steps in builds.items():
             copied = " ".join(rest for instruction, rest in steps if instruction == "COPY")
             for needed in (

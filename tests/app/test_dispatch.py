@@ -1,7 +1,7 @@
 """The dispatcher and reconciler on a real database, with a stand-in for Ray's answers.
 
 A real Ray cluster cannot be made to refuse a job or to vanish on cue; the stand-in
-answers the way Ray's JobSubmissionClient does in those cases (see app/ray_jobs.py).
+answers the way Ray's JobSubmissionClient does in those cases (see app/cluster/ray_jobs.py).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import (
+from app.cluster.dispatch import (
     JOB_PACKAGES,
     MAX_SCHEDULE_REST_S,
     SCHEDULE_REST_FACTOR,
     Dispatcher,
     build_runtime_env,
 )
-from app.models import Event, Run, utcnow
-from app.ray_jobs import JobRecord, JobState, RayRejected, RayUnavailable, redact
+from app.cluster.ray_jobs import JobRecord, JobState, RayRejected, RayUnavailable, redact
 from app.security import hash_secret
 from app.settings import Settings
+from app.storage.models import Event, Run, utcnow
 from contract.run_request import RunRequest
 from tests.app.worker_calls import bearer, job_token, post_status, worker_headers
 from tests.factories import run_request
@@ -220,7 +220,7 @@ class TestDispatch:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
         dispatcher.dispatch_queued_runs()
@@ -246,7 +246,7 @@ class TestDispatch:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
         calls = []
 
         def down(**kwargs: Any) -> None:
@@ -730,7 +730,7 @@ class TestEventsWhileRayIsAway:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
         tries = 12
@@ -765,7 +765,7 @@ class TestEventsWhileRayIsAway:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         for address in ("0x7f3c2b1d5a90", "0x7f3c2b1d6f10"):
             ray.fail_with = RayUnavailable(

@@ -16,11 +16,11 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import transaction
 from app.main import create_app
-from app.models import File
 from app.services import files as files_service
 from app.settings import Settings
+from app.storage.db import transaction
+from app.storage.models import File
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -133,7 +133,7 @@ class TestUploadFile:
     def test_too_large_is_413(self, settings: Settings, tmp_path: Path) -> None:
         small = settings.model_copy(update={"max_upload_bytes": 100})
         with TestClient(create_app(small, start_background=False)) as client:
-            from app.db import make_engine, make_session_factory
+            from app.storage.db import make_engine, make_session_factory
 
             engine = make_engine(small.resolved_database_url)
             auth = {"Authorization": f"Bearer {make_api_key(make_session_factory(engine))}"}

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from app.errors import Conflict, InvalidTransition
-from app.models import Run
 from app.services import lifecycle
 from app.services.lifecycle import Failure, RayVerdict, can_transition
+from app.storage.models import Run
 from contract.run_request import RunRequest
 from contract.statuses import TERMINAL_STATUSES, RunStatus
 

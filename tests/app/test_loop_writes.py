@@ -1,4 +1,4 @@
-"""SQLite writes on the event loop (app/api/loop_writes.py), against a real SQLite file whose
+"""SQLite writes on the event loop (app/storage/loop_writes.py), against a real SQLite file whose
 lock another connection holds, as the dispatcher's thread or another process would."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import Request
 
-from app import db
-from app.api.loop_writes import LoopWriter
-from app.api.slots import Slots
+from app.storage import db
+from app.storage.loop_writes import LoopWriter
+from app.storage.slots import Slots
 
 
 @pytest.fixture

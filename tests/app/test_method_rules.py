@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from tests.app.worker_calls import run_location
 from tests.factories import run_request
 

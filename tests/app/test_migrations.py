@@ -11,8 +11,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from app.migrate import alembic_config, upgrade_database
-from app.models import Base
+from app.storage.migrate import alembic_config, upgrade_database
+from app.storage.models import Base
 from tests.conftest import create_postgres_database, drop_postgres_database
 
 

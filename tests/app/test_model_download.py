@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from app.client import ApiError, TuneyardClient
+from app.cli.client import ApiError, TuneyardClient
 from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import served
@@ -167,8 +167,8 @@ def test_an_object_store_that_stops_answering_is_a_503(
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from app.db import make_engine, make_session_factory
-    from app.migrate import upgrade_database
+    from app.storage.db import make_engine, make_session_factory
+    from app.storage.migrate import upgrade_database
     from tests.app.test_dispatch import ScriptedRay, dispatch_to
     from tests.app.worker_calls import worker_headers
     from tests.conftest import make_api_key, running_s3_server

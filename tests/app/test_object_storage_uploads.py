@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.main import create_app
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from tests.conftest import S3Server, make_api_key
 
 ROWS = b"".join(b'{"text": "row %d of the news"}\n' % i for i in range(40))
@@ -34,8 +34,8 @@ def s3_settings(
 def test_an_upload_is_an_object_until_it_is_deleted(
     s3_settings: Settings, s3_env: S3Server, tiny_model_dir: Path
 ) -> None:
-    from app.db import make_engine, make_session_factory
-    from app.migrate import upgrade_database
+    from app.storage.db import make_engine, make_session_factory
+    from app.storage.migrate import upgrade_database
 
     upgrade_database(s3_settings.resolved_database_url)
     factory: sessionmaker[Session] = make_session_factory(

@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import Dispatcher
+from app.cluster.dispatch import Dispatcher
+from app.cluster.ray_jobs import RayUnavailable
 from app.logs import configure_logging
-from app.ray_jobs import RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay
 from tests.app.worker_calls import post_status, worker_headers

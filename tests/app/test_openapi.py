@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 from openapi_spec_validator import validate
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import transaction
-from app.models import Run
 from app.schemas.errors import ErrorResponse
 from app.schemas.openai_shapes import OpenAIError
-from app.services.run_rules import cross_field_problems
+from app.services.rules.run_rules import cross_field_problems
+from app.storage.db import transaction
+from app.storage.models import Run
 from contract.examples import RUN_REQUEST_EXAMPLES
 from contract.run_request import RunRequest
 from tests.factories import run_request

@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
-from app.ray_jobs import RayUnavailable
+from app.cluster.ray_jobs import RayUnavailable
 from app.services.placement import ClusterView, placement_problems
+from app.storage.models import Run
 from contract.run_request import ResourcesSpec
 from tests.factories import run_request
 

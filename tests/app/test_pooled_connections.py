@@ -1,5 +1,5 @@
 """Pooled PostgreSQL connections the server closed are replaced at checkout, without a ping
-per checkout (app/db.py `_drop_closed_connections`), on a real PostgreSQL."""
+per checkout (app/storage/db.py `_drop_closed_connections`), on a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
-from app import db
-from app.db import make_engine
+from app.storage import db
+from app.storage.db import make_engine
 
 
 def _terminate(url: str, pid: int) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from app.cluster.ray_jobs import JobState
 from app.main import create_app
-from app.ray_jobs import JobState
 from app.schemas.profile import ProfileView
 from app.services import profiles
 from app.settings import Settings

@@ -31,7 +31,7 @@ def test_the_first_two_commands_are_demo_and_test_and_ci_runs_the_test_one() -> 
 
 
 def test_every_cli_command_is_in_the_tour() -> None:
-    from app.cli import app
+    from app.cli.commands import app
 
     names = {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
     missing = [n for n in names if f"tuneyard {n}" not in README]

@@ -18,8 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import Dispatcher
-from app.ray_jobs import JobState, RayUnavailable
+from app.cluster.dispatch import Dispatcher
+from app.cluster.ray_jobs import JobState, RayUnavailable
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import post_status, run_location, worker_headers

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
+from app.storage.models import Run
 from tests.factories import run_request
 
 
@@ -308,7 +308,7 @@ class TestLocalSources:
         tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        from app.services import path_rules
+        from app.services.rules import path_rules
 
         monkeypatch.setattr(path_rules, "MAX_FOLDER_ENTRIES", 3)
         folder = tmp_path / "many"

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Event, Run
+from app.storage.models import Event, Run
 from tests.conftest import make_api_key
 from tests.factories import run_request
 

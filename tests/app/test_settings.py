@@ -68,7 +68,7 @@ def test_serve_refuses_bad_settings_naming_the_variable(
 ) -> None:
     from typer.testing import CliRunner
 
-    from app.cli import ExitCode, app
+    from app.cli.commands import ExitCode, app
 
     env = {"TUNEYARD_HOME": str(tmp_path), "TUNEYARD_STORAGE_PATH": "nosuchscheme://bucket/x"}
     result = CliRunner().invoke(app, ["serve"], env=env)
@@ -149,7 +149,7 @@ class TestJobEnvironmentSettings:
     ) -> None:
         from typer.testing import CliRunner
 
-        from app.cli import ExitCode, app
+        from app.cli.commands import ExitCode, app
 
         monkeypatch.setenv(variable, value)
         with pytest.raises(ValidationError, match=reason):

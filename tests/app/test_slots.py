@@ -1,4 +1,4 @@
-"""app/api/slots.py: admission slots that serve a request's later waits first."""
+"""app/storage/slots.py: admission slots that serve a request's later waits first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from app.api.slots import Slots
+from app.storage.slots import Slots
 
 
 def request() -> Any:

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
 

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from contract.deepspeed_config import resolve_deepspeed_config
 from contract.run_request import RunSpec
 from tests.app.test_dispatch import ScriptedRay, dispatch_to

@@ -23,9 +23,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import make_engine, make_session_factory, transaction
 from app.main import create_app
-from app.models import ApiKey, Run, WebhookDelivery
 from app.ports import free_port
 from app.security import hash_secret
 from app.services import lifecycle
@@ -33,6 +31,8 @@ from app.services.lifecycle import Failure
 from app.services.webhook_delivery import WebhookDeliverer, retry_delay_s
 from app.services.webhooks import sign, verify
 from app.settings import Settings
+from app.storage.db import make_engine, make_session_factory, transaction
+from app.storage.models import ApiKey, Run, WebhookDelivery
 from contract.job_env import SPEC_ENV
 from contract.statuses import RunStatus
 from tests.app.test_dispatch import ScriptedRay, dispatch_to

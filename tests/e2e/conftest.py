@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.cli import WEBHOOK_SECRET_LABEL
+from app.cli.commands import WEBHOOK_SECRET_LABEL
 from app.ports import free_port
 from worker.step_gate import STEP_GATE_ENV
 

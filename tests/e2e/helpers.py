@@ -119,7 +119,7 @@ def tiny_chat_llama(root: Path, *, max_positions: int = 2048) -> Path:
     folder), then reused by every module that asks for the same one."""
     from transformers import AutoTokenizer
 
-    from app.tiny_assets import build_tiny_llama
+    from app.cli.tiny_assets import build_tiny_llama
 
     folder = root / f"llama-chat-{max_positions}"
     if not (folder / "config.json").exists():
@@ -133,7 +133,7 @@ def tiny_chat_llama(root: Path, *, max_positions: int = 2048) -> Path:
 def chat_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
     """OpenAI-format conversations of news-like text: a system turn now and then, one or
     two user/assistant exchanges."""
-    from app.tiny_assets import news_lines
+    from app.cli.tiny_assets import news_lines
 
     lines = news_lines(4 * n, seed=seed)
     records = []
@@ -150,7 +150,7 @@ def preference_records(
     n: int, *, prompt_field: str = "prompt", chat_prompts: bool = True, seed: int = 0
 ) -> list[dict[str, Any]]:
     """DPO pairs: a prompt (chat messages, or plain text), a chosen and a rejected answer."""
-    from app.tiny_assets import news_lines
+    from app.cli.tiny_assets import news_lines
 
     lines = news_lines(3 * n, seed=seed)
     records = []

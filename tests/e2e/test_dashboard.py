@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from playwright import sync_api as playwright_api
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service
 
 pytestmark = pytest.mark.e2e

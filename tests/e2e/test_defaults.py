@@ -72,7 +72,7 @@ def _model(case: Case, models: Models) -> Path:
 def _dataset(case: Case, data_dir: Path) -> dict[str, Any]:
     """The dataset group a user must write for the method, over a local file of its
     format: the source, and the fields (or format) the default would not read."""
-    from app.tiny_assets import (
+    from app.cli.tiny_assets import (
         news_lines,
         write_jsonl_dataset,
         write_prompt_completion_dataset,

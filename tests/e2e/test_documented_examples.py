@@ -184,7 +184,7 @@ class Assets:
         pytest.fail(f"{example_id}: no tiny model of the family of {name!r}; add one here")
 
     def _build(self, family: str, positions: int) -> Path:
-        from app.tiny_assets import build_tiny_bert, build_tiny_gpt2
+        from app.cli.tiny_assets import build_tiny_bert, build_tiny_gpt2
 
         key = (family, positions)
         if key not in self.built:
@@ -198,7 +198,7 @@ class Assets:
 
 def _records(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """`n` records of the request's format, with the field names it reads."""
-    from app.tiny_assets import news_lines
+    from app.cli.tiny_assets import news_lines
 
     ds = body["dataset"]
     lines = news_lines(2 * n, seed=7)

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from contract.job_env import SPEC_ENV
 from tests.e2e.conftest import Service
 from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series

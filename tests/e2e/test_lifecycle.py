@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from ray.job_submission import JobSubmissionClient
 
-from app.db import make_engine, make_session_factory, transaction
-from app.models import Run, utcnow
+from app.cli.tiny_assets import write_jsonl_dataset
 from app.services.api_keys import find_api_key
 from app.services.runs import prepare_run, store_run
-from app.tiny_assets import write_jsonl_dataset
+from app.storage.db import make_engine, make_session_factory, transaction
+from app.storage.models import Run, utcnow
 from contract.run_request import RunRequest
 from tests.e2e.conftest import Service, make_service
 from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service, make_service
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service
 from tests.e2e.test_lifecycle import ray_jobs_client
 

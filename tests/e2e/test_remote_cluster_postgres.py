@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.conftest import create_postgres_database, drop_postgres_database
 from tests.e2e.conftest import Service, make_service
 from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.app.test_webhooks import Receiver, receiving
 from tests.e2e.conftest import Service
 from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import make_service
 
 pytestmark = pytest.mark.e2e

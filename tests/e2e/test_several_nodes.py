@@ -21,7 +21,7 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 from transformers import AutoModelForCausalLM
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from contract.storage import Storage
 from tests.conftest import S3Server
 from tests.e2e.conftest import Service, make_service

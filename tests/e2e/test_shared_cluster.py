@@ -22,7 +22,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.conftest import create_postgres_database, drop_postgres_database
 from tests.e2e.conftest import Service, make_service
 from tests.e2e.helpers import assert_succeeded

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from app.tiny_assets import (
+from app.cli.tiny_assets import (
     write_jsonl_dataset,
     write_paraphrase_dataset,
     write_prompt_completion_dataset,

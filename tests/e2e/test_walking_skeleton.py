@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from app.tiny_assets import write_jsonl_dataset
+from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service
 
 pytestmark = pytest.mark.e2e

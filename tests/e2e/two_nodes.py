@@ -33,7 +33,7 @@ _NODE_PORT_FLAGS = (
 )
 _HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port")
 # A stopped node's processes exit within seconds; `ray start --block` itself lingers about
-# 30 s more holding nothing (as app/ray_head.py's stop says), and is killed past this.
+# 30 s more holding nothing (as app/cluster/ray_head.py's stop says), and is killed past this.
 _STOP_GRACE_S = 5.0
 
 

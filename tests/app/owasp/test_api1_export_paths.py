@@ -22,8 +22,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from tests.app.conftest import start_run
 from tests.app.worker_calls import run_location
 from tests.conftest import S3Server, make_api_key

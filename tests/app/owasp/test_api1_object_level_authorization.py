@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
 from app.settings import Settings
+from app.storage.models import Run
 from tests.conftest import make_api_key
 from tests.factories import run_request
 

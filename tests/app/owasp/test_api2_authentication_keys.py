@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from app.cli import ExitCode
-from app.cli import app as cli
-from app.db import transaction
+from app.cli.commands import ExitCode
+from app.cli.commands import app as cli
 from app.main import create_app
 from app.services.api_keys import find_api_key, revoke_api_key
 from app.settings import Settings
+from app.storage.db import transaction
 from tests.conftest import make_api_key
 from tests.factories import run_request
 

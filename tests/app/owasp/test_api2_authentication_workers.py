@@ -19,9 +19,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import make_engine
-from app.models import Run
 from app.services import callbacks
+from app.storage.db import make_engine
+from app.storage.models import Run
 
 BAD_TOKEN = {"Authorization": "Bearer rt_not-the-token"}
 
@@ -119,7 +119,8 @@ class TestBadTokensTakeNoWriteLock:
             engine = make_engine(database_url)
             try:
                 with engine.connect() as connection:
-                    # BEGIN IMMEDIATE (app/db.py): SQLite's one write lock, until rolled back.
+                    # BEGIN IMMEDIATE (app/storage/db.py): SQLite's one write lock until
+                    # rolled back.
                     connection.exec_driver_sql("UPDATE runs SET step = step")
                     try:
                         yield

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.cluster.ray_jobs import RayJobs, RayUnavailable
 from app.logs import TextFormatter
-from app.models import Event, Run
-from app.ray_jobs import RayJobs, RayUnavailable
 from app.settings import Settings
+from app.storage.models import Event, Run
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import job_token
 from tests.factories import run_request

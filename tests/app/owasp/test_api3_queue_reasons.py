@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.dispatch import Dispatcher
+from app.cluster.dispatch import Dispatcher
 from app.settings import Settings
 from tests.app.test_dispatch import ScriptedRay
 from tests.app.test_shared_queue import backdate, dispatcher_for, new_key, submit

@@ -24,13 +24,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
-from app.cli import WEBHOOK_SECRET_LABEL, ExitCode
-from app.cli import app as cli
+from app.cli.commands import WEBHOOK_SECRET_LABEL, ExitCode
+from app.cli.commands import app as cli
 from app.main import create_app
-from app.models import ApiKey
 from app.services.webhook_delivery import WebhookDeliverer
 from app.services.webhooks import verify
 from app.settings import Settings
+from app.storage.models import ApiKey
 from tests.app.test_webhooks import (
     SECRET,
     Receiver,

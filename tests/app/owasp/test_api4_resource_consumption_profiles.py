@@ -27,8 +27,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.cluster.ray_jobs import JobState
 from app.main import create_app
-from app.ray_jobs import JobState
 from app.services import profiles
 from app.settings import Settings
 from contract.job_env import PROFILE_ENV

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Run
+from app.storage.models import Run
 from tests.factories import run_request
 
 BIG_NUMBERS = [2**31, 2**63, 10**30]

@@ -25,8 +25,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.main import create_app
-from app.services import file_checks
 from app.services import files as files_service
+from app.services.rules import file_checks
 from app.settings import Settings
 from tests.conftest import make_api_key
 from tests.factories import run_request

@@ -30,10 +30,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import transaction
-from app.models import WebhookDelivery, new_id, utcnow
 from app.services.webhook_delivery import SENDS_PER_OWNER, WebhookDeliverer
 from app.settings import Settings
+from app.storage.db import transaction
+from app.storage.models import WebhookDelivery, new_id, utcnow
 from tests.app.test_webhooks import (
     Receiver,
     deliver_until,

@@ -24,10 +24,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db import transaction
-from app.models import ApiKey, Run
 from app.services.api_keys import create_api_key
 from app.settings import Settings
+from app.storage.db import transaction
+from app.storage.models import ApiKey, Run
 from tests.factories import local_inputs, run_request
 
 

@@ -27,12 +27,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.main import create_app
-from app.models import Run
 from app.ports import free_port
-from app.services import webhook_addresses
-from app.services.webhook_addresses import IPAddress
+from app.services.rules import webhook_addresses
+from app.services.rules.webhook_addresses import IPAddress
 from app.services.webhook_delivery import WebhookDeliverer
 from app.settings import Settings
+from app.storage.models import Run
 from tests.app.test_webhooks import Receiver, deliveries, receiving, with_webhooks
 from tests.factories import run_request
 

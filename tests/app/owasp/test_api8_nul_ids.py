@@ -5,7 +5,7 @@ The finding: PostgreSQL refuses a NUL in text, and three routes sent one to it, 
 in `training_file` (looked up before it was validated). Other routes refused a NUL with a
 422 of their own, or passed an id of any length to the database.
 
-Every id the service mints is a prefix, `_` and 20 lower-case hex digits (app/models.py
+Every id the service mints is a prefix, `_` and 20 lower-case hex digits (app/storage/models.py
 `new_id`); a value of any other shape names nothing. So each route answers it as it answers
 an unknown id, without a query: 404 for an id in the path (in OpenAI's error shape on OpenAI's
 routes), 401 on the worker callbacks (which never tell a missing run from a wrong token), and

@@ -6,7 +6,7 @@ roots, and never in the service's own folders inside them (`SourceRoots.refused`
 storage, which holds every run's checkpoints and exports, the uploads and the profiles,
 and its state. What is in storage belongs to one API key and is reached through an id
 that checks the owner: an upload by its file id, an earlier run's export by its run id
-(app/services/run_rules.py). A path is compared as written (`..` applied) and as its real
+(app/services/rules/run_rules.py). A path is compared as written (`..` applied) and as its real
 path (every link followed), so neither a link nor `..` leads around the rule.
 
 A run's worker posts where it wrote its checkpoints and exports. Those locations must lie

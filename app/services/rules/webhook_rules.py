@@ -1,12 +1,12 @@
 """The rules a run's webhooks must meet beyond their schema: the service can sign them, and
-each goes where webhooks may go (app/services/webhook_addresses.py)."""
+each goes where webhooks may go (app/services/rules/webhook_addresses.py)."""
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
 from app.errors import field_problem
-from app.services.webhook_addresses import destination_problem
+from app.services.rules.webhook_addresses import destination_problem
 from app.services.webhooks import session_config
 from contract.run_request import RunDefinition
 

@@ -102,7 +102,7 @@ class ApiKey(Base):
     # (a capped key could otherwise hold what no higher priority can take back); applied
     # by app/services/queue.py.
     allow_non_preemptible: Mapped[bool | None] = mapped_column(Boolean)
-    # Where this key's runs may track (app/services/tracking_rules.py): the MLflow experiment
+    # Where this key's runs may track (app/services/rules/tracking_rules.py): the MLflow experiment
     # and W&B project must start with `tracking_prefix`, the W&B entity is pinned.
     tracking_prefix: Mapped[str | None] = mapped_column(String(100))
     wandb_entity: Mapped[str | None] = mapped_column(String(100))
@@ -162,7 +162,7 @@ class Run(Base):
     # What the run asks of the cluster in all (workers x per worker), for quotas and fair
     # share without reading every queued run's spec.
     gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # While queued: why it waits, as the scheduler's latest pass found (app/dispatch.py).
+    # While queued: why it waits, as the scheduler's latest pass found (app/cluster/dispatch.py).
     queue_reason: Mapped[str | None] = mapped_column(Text)
     # When the current attempt began running (started_at is the first attempt's): how long
     # it has run, which a preemption must respect.

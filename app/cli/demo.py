@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from app.cli_render import watch_run
-from app.client import ApiError, TuneyardClient
+from app.cli.client import ApiError, TuneyardClient
+from app.cli.render import watch_run
 from app.ports import free_port
 from app.services.api_keys import issue_api_key
 from app.settings import DEMO_DIRNAME, Settings
@@ -61,7 +61,7 @@ def run_demo(*, steps: int, port: int | None, hub: bool = False) -> int:
 
 
 def _build_assets(demo_dir: Path) -> tuple[Path, Path]:
-    from app.tiny_assets import build_tiny_gpt2, write_jsonl_dataset
+    from app.cli.tiny_assets import build_tiny_gpt2, write_jsonl_dataset
 
     model_dir = demo_dir / "tiny-gpt2"
     data_file = demo_dir / "news.jsonl"

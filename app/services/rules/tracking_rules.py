@@ -22,8 +22,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import field_problem
-from app.models import ApiKey
 from app.settings import Settings
+from app.storage.models import ApiKey
 from contract.job_env import MLFLOW_TRACKING_URI_ENV, TRACKER_VARIABLES
 from contract.run_request import MlflowTracking, RunDefinition, RunSpec, WandbTracking
 

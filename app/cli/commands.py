@@ -19,7 +19,8 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
-from app.cli_render import (
+from app.cli.client import ApiError, TuneyardClient, Unreachable
+from app.cli.render import (
     checkpoints_table,
     print_run,
     problems_table,
@@ -27,7 +28,6 @@ from app.cli_render import (
     runs_table,
     watch_run,
 )
-from app.client import ApiError, TuneyardClient, Unreachable
 from app.settings import Settings
 from contract.statuses import TERMINAL_STATUSES
 
@@ -175,9 +175,9 @@ def _serve_workers(settings: Settings, server: dict[str, Any]) -> None:
 
     import uvicorn
 
-    from app.db import make_engine
-    from app.migrate import prepare_database
-    from app.ray_head import ensure_local_head, stop_local_head
+    from app.cluster.ray_head import ensure_local_head, stop_local_head
+    from app.storage.db import make_engine
+    from app.storage.migrate import prepare_database
 
     make_engine(settings.resolved_database_url).dispose()  # creates a SQLite file's folder
     prepare_database(settings.resolved_database_url, wait_s=settings.database_wait_s)
@@ -717,7 +717,7 @@ def demo(
 
     Offline by default: a tiny GPT-2, tokenizer and dataset are built locally.
     """
-    from app.demo import run_demo
+    from app.cli.demo import run_demo
 
     raise typer.Exit(run_demo(steps=steps, port=port, hub=hub))
 

@@ -18,19 +18,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.errors import field_problem
-from app.models import RUN_ID, Checkpoint, File, Run
 from app.services import files
 from app.services.adapter_sizes import adapter_parameters, linear_weights
-from app.services.evaluation_rules import evaluation_problems
-from app.services.file_checks import check_file, checks_for
 from app.services.model_files import (
     chat_template_of,
     safetensors_headers,
     trainable_model_types,
 )
-from app.services.path_rules import allowed_local_path
-from app.services.tracking_rules import key_tracking_problems, tracking_problems
-from app.services.webhook_rules import webhook_problems
+from app.services.rules.evaluation_rules import evaluation_problems
+from app.services.rules.file_checks import check_file, checks_for
+from app.services.rules.path_rules import allowed_local_path
+from app.services.rules.tracking_rules import key_tracking_problems, tracking_problems
+from app.services.rules.webhook_rules import webhook_problems
+from app.storage.models import RUN_ID, Checkpoint, File, Run
 from contract.datasets import (
     FILE_FORMATS,
     fields_read_by,
@@ -94,7 +94,7 @@ def check_run_request(
     session: Session, request: RunRequest, *, owner_id: str, allowed_roots: Sequence[Path]
 ) -> CheckedRequest:
     """`allowed_roots`: where local sources may be; a `SourceRoots` also names the folders
-    inside them that are refused (the service's own: app/services/path_rules.py)."""
+    inside them that are refused (the service's own: app/services/rules/path_rules.py)."""
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
     if is_run_id(request.model):
         _check_model_from_run(session, request, checked, owner_id=owner_id)

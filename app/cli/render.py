@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from app.client import TuneyardClient
+from app.cli.client import TuneyardClient
 from contract.statuses import TERMINAL_STATUSES
 
 STATUS_STYLE = {

@@ -22,11 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.background import TickLoop
-from app.db import transaction
-from app.logs import RepeatedWarning, run_log
-from app.metrics import ServiceMetrics
-from app.models import Run, utcnow
-from app.ray_jobs import (
+from app.cluster.ray_jobs import (
     JobState,
     RayJobs,
     RayRejected,
@@ -35,14 +31,18 @@ from app.ray_jobs import (
     redact,
     try_stop,
 )
+from app.logs import RepeatedWarning, run_log
+from app.metrics import ServiceMetrics
 from app.schemas.run_view import as_utc
 from app.security import hash_secret, new_secret
 from app.services import lifecycle, queue
 from app.services.lifecycle import Failure, RayVerdict
 from app.services.placement import ClusterView, placement_problems
 from app.services.queue import LIVE
-from app.services.tracking_rules import tracking_job_env
+from app.services.rules.tracking_rules import tracking_job_env
 from app.settings import Settings
+from app.storage.db import transaction
+from app.storage.models import Run, utcnow
 from contract.callbacks import EventType, FailureCode
 from contract.job_env import (
     CALLBACK_URL_ENV,
@@ -57,7 +57,7 @@ from contract.statuses import RunStatus
 
 log = logging.getLogger("tuneyard")
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 # What ships to the cluster with every job: the worker and the run contract it reads.
 JOB_PACKAGES = [str(_ROOT / "worker"), str(_ROOT / "contract")]
 ENTRYPOINT = "python -m worker"

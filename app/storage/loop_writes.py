@@ -31,8 +31,8 @@ import anyio
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import Request
 
-from app import db
-from app.api.slots import Slots
+from app.storage import db
+from app.storage.slots import Slots
 
 # While another connection holds the lock, the queue's first write tries again after this
 # pause, doubling up to the last: the lock's holders keep it for milliseconds.

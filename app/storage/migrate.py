@@ -16,7 +16,7 @@ from sqlalchemy.pool import NullPool
 
 log = logging.getLogger("tuneyard")
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _MAX_RETRY_DELAY_S = 5.0
 
 

@@ -204,8 +204,8 @@ class RayJobs:
         ]
 
     def free_resources(self, *, timeout_s: int = 5) -> list[dict[str, float]]:
-        """Each alive node's free resources now (app/cluster_usage.py says how Ray tells)."""
-        from app.cluster_usage import free_by_node
+        """Each alive node's free resources now (app/cluster/usage.py says how Ray tells)."""
+        from app.cluster.usage import free_by_node
 
         try:
             # The job client's own request: the same address, token and TLS settings.
