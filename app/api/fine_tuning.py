@@ -13,6 +13,7 @@ from fastapi import APIRouter, BackgroundTasks, Path, Query, Request, Response, 
 from pydantic import AfterValidator
 from sqlalchemy.orm import Session
 
+from app.api import run_creation
 from app.api.deps import (
     ClusterDep,
     CurrentPrincipal,
@@ -22,8 +23,6 @@ from app.api.deps import (
     SessionDep,
     SettingsDep,
     read_as_caller,
-    run_in_read_session,
-    run_in_write_session,
 )
 from app.cluster.ray_jobs import try_stop
 from app.schemas.errors import error_responses
@@ -97,24 +96,19 @@ async def create_fine_tuning_job(
     dispatcher: DispatcherDep,
     cluster: ClusterDep,
 ) -> Response:
-    # As POST /v1/runs: the checks that read files first, then the insert alone.
-    new = await run_in_read_session(
+    made = await run_creation.create_run(
         request,
-        lambda session: openai_jobs.prepare_job(
+        prepare=lambda session: openai_jobs.prepare_job(
             session,
             job=body,
             owner_id=principal.id,
             allowed_roots=settings.resolved_allowed_roots,
             cluster=cluster,
         ),
-        blocking=True,
+        store=lambda session, new: (openai_jobs.store_job(session, new, job=body), True),
+        dispatcher=dispatcher,
     )
-    run = await run_in_write_session(
-        request, lambda session: openai_jobs.store_job(session, new, job=body)
-    )
-    if dispatcher is not None:
-        dispatcher.wake()  # committed: dispatch now, not at the dispatcher's next tick
-    return json_response(openai_jobs.job_view(run, trained_tokens=None))
+    return json_response(openai_jobs.job_view(made.run, trained_tokens=None))
 
 
 @router.get(

@@ -22,10 +22,10 @@ from fastapi import (
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator
 from sqlalchemy import Connection
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sse_starlette import EventSourceResponse
 
+from app.api import run_creation
 from app.api.deps import (
     LOCAL_PRINCIPAL,
     BearerPresent,
@@ -42,7 +42,6 @@ from app.api.deps import (
     bearer_token,
     read_as_caller,
     run_in_read_session,
-    run_in_write_session,
     run_on_read_connection,
     unauthorized,
 )
@@ -141,11 +140,9 @@ async def create_run(
         ),
     ] = None,
 ) -> Response:
-    # The checks that read files and the cluster first, on a read session; then the insert
-    # alone in a write transaction (see runs.prepare_run).
-    new = await run_in_read_session(
+    made = await run_creation.create_run(
         request,
-        lambda session: runs.prepare_run(
+        prepare=lambda session: runs.prepare_run(
             session,
             request=body,
             owner_id=principal.id,
@@ -153,25 +150,12 @@ async def create_run(
             idempotency_key=idempotency_key,
             cluster=cluster,
         ),
-        blocking=True,
+        store=runs.store_run,
+        dispatcher=dispatcher,
     )
-
-    run, created = await run_in_write_session(request, lambda session: runs.store_run(session, new))
-    # Its place in the queue on a read of its own, which ranks the whole queue (no writer
-    # needs to wait for that); before the dispatcher is woken, which may take it out. The
-    # run is stored whatever happens here: an answer without its place, never a 500 that
-    # would have a client without an Idempotency-Key create it again.
-    try:
-        position = await run_in_read_session(
-            request, lambda session: runs.queue_position(session, run)
-        )
-    except SQLAlchemyError:
-        log.warning("run %s created; its queue position could not be read", run.id, exc_info=True)
-        position = None
-    if dispatcher is not None and created:
-        dispatcher.wake()  # committed: dispatch now, not at the dispatcher's next tick
     return json_response(
-        RunView.of(run, queue_position=position), status_code=201 if created else 200
+        RunView.of(made.run, queue_position=made.queue_position),
+        status_code=201 if made.created else 200,
     )
 
 
