@@ -19,7 +19,7 @@ from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_jobs import RayUnavailable
 from app.logs import configure_logging
 from app.settings import Settings
-from tests.app.test_dispatch import ScriptedRay
+from tests.app.cluster.test_dispatch import ScriptedRay
 from tests.app.worker_calls import post_status, worker_headers
 from tests.factories import run_request
 

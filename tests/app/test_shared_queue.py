@@ -28,7 +28,7 @@ from app.services.scheduling import Ask
 from app.settings import Settings
 from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.models import Event, Run, utcnow
-from tests.app.test_dispatch import ScriptedRay
+from tests.app.cluster.test_dispatch import ScriptedRay
 from tests.app.worker_calls import control, post_status, worker_headers
 from tests.factories import run_request
 

@@ -115,6 +115,6 @@ def test_metadata_is_storable(
     metadata: dict[str, str],
 ) -> None:
     # PostgreSQL's json ->> cannot read a stored \u0000: it broke every later filter.
-    # (Lengths and counts were bounded before: tests/app/test_run_rules.py.)
+    # (Lengths and counts were bounded before: tests/app/rules/test_run_rules.py.)
     problems = _refused(client, auth, run_request(tmp_path, metadata=metadata), session_factory)
     assert any(field.startswith("metadata") and "NUL" in m for field, m in problems.items())

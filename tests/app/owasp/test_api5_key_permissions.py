@@ -46,7 +46,7 @@ def settings(tmp_path: Path, database_url: str, tiny_model_dir: Path) -> Setting
 
 def _key(session_factory: sessionmaker[Session], name: str, **settings: Any) -> dict[str, str]:
     """The headers of a new key with these limits and permissions (as `tuneyard keys create`
-    sets them: tests/app/test_cli.py)."""
+    sets them: tests/app/cli/test_cli.py)."""
     with transaction(session_factory) as session:
         key, secret = create_api_key(session, name=name)
         for column, value in settings.items():

@@ -1,0 +1,1 @@
+"""The Ray side of the service (app/cluster/)."""

@@ -1,0 +1,1 @@
+"""The database and the paths to it (app/storage/)."""
