@@ -77,16 +77,15 @@ WORKER_EVENTS = frozenset(
 )
 
 
-def _said_by_worker(code: FailureCode) -> FailureCode:
-    if code not in WORKER_FAILURES:
-        raise ValueError(f"a worker reports one of {sorted(WORKER_FAILURES)}, not {code!r}")
-    return code
+def _the_workers(allowed: frozenset[StrEnum]) -> AfterValidator:
+    """Of the values both sides know, only those a worker may send."""
 
+    def check(value: StrEnum) -> StrEnum:
+        if value not in allowed:
+            raise ValueError(f"a worker sends one of {sorted(allowed)}, not {value!r}")
+        return value
 
-def _posted_by_worker(event: EventType) -> EventType:
-    if event not in WORKER_EVENTS:
-        raise ValueError(f"a worker posts one of {sorted(WORKER_EVENTS)}, not {event!r}")
-    return event
+    return AfterValidator(check)
 
 
 # Non-finite values go out as "NaN", "Infinity" and "-Infinity" (strict JSON has no literal
@@ -127,16 +126,20 @@ MetricValue = Annotated[
 CheckpointKind = Literal["deepspeed", "hf", "adapter"]
 
 
+# What a worker may say of its attempt; the rest of a run's statuses are the service's.
+WorkerStatus = Literal["running", "succeeded", "failed"]
+
+
 class ErrorBody(BaseModel):
     model_config = _strict
-    code: Annotated[FailureCode, AfterValidator(_said_by_worker)]
+    code: Annotated[FailureCode, _the_workers(WORKER_FAILURES)]
     message: Message
 
 
 class StatusPost(BaseModel):
     model_config = _strict
     attempt: Attempt
-    status: Literal["running", "succeeded", "failed"]
+    status: WorkerStatus
     message: Message | None = None
     error: ErrorBody | None = None
 
@@ -176,5 +179,5 @@ class CheckpointPost(BaseModel):
 class EventPost(BaseModel):
     model_config = _strict
     attempt: Attempt
-    type: Annotated[EventType, AfterValidator(_posted_by_worker)]
+    type: Annotated[EventType, _the_workers(WORKER_EVENTS)]
     message: Message

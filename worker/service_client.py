@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -34,6 +34,7 @@ from contract.callbacks import (
     FailureCode,
     MetricsPost,
     StatusPost,
+    WorkerStatus,
 )
 from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
 
@@ -121,7 +122,7 @@ class ServiceClient:
 
     def status(
         self,
-        status: Literal["running", "succeeded", "failed"],
+        status: WorkerStatus,
         *,
         error: str | None = None,
         code: FailureCode = FailureCode.TRAINING_ERROR,
