@@ -58,6 +58,7 @@ from app.services.webhooks import (
 from app.settings import Settings
 from app.storage.db import transaction
 from app.storage.models import ApiKey, Run, WebhookDelivery, utcnow
+from contract.run_request import webhook_url_problem
 
 log = logging.getLogger("tuneyard")
 
@@ -337,6 +338,10 @@ class WebhookDeliverer(TickLoop):
             IDEMPOTENCY_HEADER: delivery.id,
             SIGNATURE_HEADER: sign(delivery.secret, int(time.time()), body),
         }
+        if not delivery.service_wide and webhook_url_problem(delivery.url) is not None:
+            # A run stored before the URL rule tightened (credentials in the URL, which httpx
+            # would send as a tenant-chosen Authorization header): refused here as well.
+            return Outcome(None, REFUSED)
         client = self._operator_http if delivery.service_wide else self._http
         try:
             # The answer's status is all a delivery needs: its body is never read (a

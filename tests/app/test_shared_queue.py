@@ -436,6 +436,37 @@ class TestNeverFits:
         assert "the cluster has no GPUs" in (failed.error_message or "")
         assert [job["submission_id"] for job in ray.submitted] == [f"{cpu_run}-1"]
 
+    def test_an_autoscaling_cluster_is_asked_for_the_nodes_not_judged_by_those_it_has(
+        self,
+        client: TestClient,
+        session_factory: sessionmaker[Session],
+        settings: Settings,
+        ray: ScriptedRay,
+        tmp_path: Path,
+    ) -> None:
+        """The same GPU run on a CPU-only cluster that autoscales: Ray's autoscaler adds a
+        GPU node only when a job asks for one, so the run goes to Ray at once; no pass, at
+        any time, says no node can hold it or fails it."""
+        key = new_key(session_factory, "team")
+        gpu_run = submit(client, key, tmp_path, priority=90, gpus=1, workers=1)
+        ray.free = [{"CPU": 8.0}]
+        now = [1000.0]
+        jobs: Any = ray
+        dispatcher = Dispatcher(
+            settings=settings.model_copy(update={"cluster_autoscales": True}),
+            session_factory=session_factory,
+            jobs=jobs,
+            cluster=ClusterView(lambda: [{"CPU": 8.0}], autoscales=True),
+            clock=lambda: now[0],
+        )
+        dispatcher.dispatch_queued_runs()
+        now[0] += 61
+        dispatcher.dispatch_queued_runs()
+        started = stored(session_factory, gpu_run)
+        assert (started.status, started.error_code) == ("starting", None)
+        assert not (started.queue_reason or "").startswith("no node can hold it")
+        assert [job["submission_id"] for job in ray.submitted] == [f"{gpu_run}-1"]
+
 
 class TestWithoutRaysReport:
     def test_the_nodes_totals_less_the_live_runs_stand_in(

@@ -182,11 +182,20 @@ def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model
     head_before = json.loads((svc.home / "ray" / "head.json").read_text())
 
     svc.kill()
+    # What a profile under way when the service died leaves, with no job Ray knows of.
+    left = svc.home / "storage" / "profiles" / "profile-left-by-the-crash.json"
+    left.parent.mkdir(parents=True, exist_ok=True)
+    left.write_text("{}")
     time.sleep(5)  # training goes on; the worker buffers what it cannot post
     svc.start()
 
     # The restarted service re-attached to the head it started: no second head.
     assert json.loads((svc.home / "ray" / "head.json").read_text()) == head_before
+    # And its profile reaper, started with it, deleted what the crash left.
+    deadline = time.monotonic() + 60
+    while left.exists():
+        assert time.monotonic() < deadline, "the crash's profile file was not reaped"
+        time.sleep(0.2)
     run = svc.wait_terminal(run_id)
     assert_succeeded(svc, run)
     assert run["attempt"] == 1

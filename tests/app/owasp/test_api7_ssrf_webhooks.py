@@ -32,7 +32,7 @@ from app.services.rules import webhook_addresses
 from app.services.rules.webhook_addresses import IPAddress
 from app.services.webhook_delivery import WebhookDeliverer
 from app.settings import Settings
-from app.storage.models import Run
+from app.storage.models import Run, WebhookDelivery
 from tests.app.test_webhooks import Receiver, deliveries, receiving, with_webhooks
 from tests.factories import run_request
 
@@ -192,7 +192,13 @@ def test_the_allow_list_setting_is_checked_at_start_up(tmp_path: Path) -> None:
         Settings(home=tmp_path, webhook_allowed_networks="not a host!")
 
 
-def test_a_name_that_turns_to_loopback_is_refused_when_the_delivery_connects(
+@pytest.mark.parametrize(
+    "inside",
+    ["127.0.0.1", "10.1.2.3", "169.254.169.254", "fd00::1"],
+    ids=["loopback", "private", "metadata", "unique-local-v6"],
+)
+def test_a_name_that_turns_inside_is_refused_when_the_delivery_connects(
+    inside: str,
     client: TestClient,
     auth: dict[str, str],
     tmp_path: Path,
@@ -202,8 +208,8 @@ def test_a_name_that_turns_to_loopback_is_refused_when_the_delivery_connects(
     receiver: Receiver,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """DNS rebinding: public while the run is checked, loopback (where a real receiver
-    listens) once the delivery is sent."""
+    """DNS rebinding: public while the run is checked, inside once the delivery is sent
+    (on loopback a real receiver listens)."""
     dns["rebind.example.test"] = [PUBLIC]
     port = receiver.url.split(":")[2].split("/")[0]
     body = run_request(tmp_path, webhooks=[{"url": f"http://rebind.example.test:{port}/hooks"}])
@@ -212,7 +218,7 @@ def test_a_name_that_turns_to_loopback_is_refused_when_the_delivery_connects(
     run_id = created.json()["id"]
     client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
 
-    dns["rebind.example.test"] = ["127.0.0.1"]
+    dns["rebind.example.test"] = [inside]
     with monkeypatch.context() as env:
         # A proxy would resolve the name itself, past the rule: none is used.
         env.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")
@@ -270,6 +276,87 @@ def test_a_delivery_connects_to_the_address_it_checked_keeping_the_name(
     listed = {d["url"].split("//")[1].split(":")[0]: d for d in deliveries(client, run_id, auth)}
     assert listed["hooks.example.test"]["status"] == "delivered"
     assert listed["other.example.test"]["last_error"] == "connection failed"
+
+
+def test_the_connection_goes_to_the_address_checked_not_to_a_second_answer(
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    session_factory: sessionmaker[Session],
+    settings: Settings,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pinned: the delivery looks the name up once, checks that answer and connects to it.
+    A resolver that answers the receiver's address once and the metadata address after
+    that (a rebinding DNS server with a zero TTL) gets the delivery to the receiver, so no
+    second lookup chose where the socket went."""
+    allowing = with_webhooks(settings, webhook_allowed_networks="127.0.0.0/8")
+    port = receiver.url.split(":")[2].split("/")[0]
+    url = f"http://pinned.example.test:{port}/hooks"
+    answers = {"pinned.example.test": [PUBLIC]}  # while the run is checked
+
+    def resolve(host: str, port: int) -> list[IPAddress]:
+        lookups.append(host)
+        return [ipaddress.ip_address(a) for a in answers[host]]
+
+    lookups: list[str] = []
+    monkeypatch.setattr(webhook_addresses, "resolve", resolve)
+    with TestClient(create_app(allowing, start_background=False)) as app_client:
+        created = app_client.post(
+            "/v1/runs", json=run_request(tmp_path, webhooks=[{"url": url}]), headers=auth
+        )
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+
+    def rebinding(host: str, port: int) -> list[IPAddress]:
+        lookups.append(host)
+        answer = "127.0.0.1" if len(lookups) == 1 else "169.254.169.254"
+        return [ipaddress.ip_address(answer)]
+
+    lookups.clear()
+    monkeypatch.setattr(webhook_addresses, "resolve", rebinding)
+    deliverer = WebhookDeliverer(settings=allowing, session_factory=session_factory)
+    try:
+        assert deliverer.tick() == 1
+    finally:
+        deliverer.stop()
+    assert lookups == ["pinned.example.test"]
+    assert len(receiver.received) == 1
+    [delivered] = deliveries(client, run_id, auth)
+    assert (delivered["status"], delivered["last_error"]) == ("delivered", None)
+
+
+def test_credentials_in_a_url_stored_before_the_rule_are_not_sent(
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    session_factory: sessionmaker[Session],
+    settings: Settings,
+    receiver: Receiver,
+) -> None:
+    """A delivery whose URL carries `user:password@` (a run stored before the rule, whose
+    stored URL is not checked again) is refused at send time: httpx would turn it into a
+    tenant-chosen `Authorization: Basic` header."""
+    allowing = with_webhooks(settings, webhook_allowed_networks="127.0.0.1")
+    with TestClient(create_app(allowing, start_background=False)) as app_client:
+        body = run_request(tmp_path, webhooks=[{"url": receiver.url}])
+        created = app_client.post("/v1/runs", json=body, headers=auth)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+    with session_factory.begin() as session:
+        [row] = session.scalars(select(WebhookDelivery)).all()
+        row.url = receiver.url.replace("http://", "http://admin:hunter2@")
+    deliverer = WebhookDeliverer(settings=allowing, session_factory=session_factory)
+    try:
+        assert deliverer.tick() == 1
+    finally:
+        deliverer.stop()
+    assert receiver.received == []
+    [refused] = deliveries(client, run_id, auth)
+    assert (refused["status"], refused["last_error"]) == ("pending", "refused: address not allowed")
 
 
 def test_a_failed_delivery_records_only_the_class_of_failure(
