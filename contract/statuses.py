@@ -11,6 +11,9 @@ class RunStatus(StrEnum):
     QUEUED = "queued"
     STARTING = "starting"
     RUNNING = "running"
+    # Asked by the scheduler to save a checkpoint and stop, to make room for a run of higher
+    # priority; queued again (a new attempt that resumes) once it has.
+    PREEMPTING = "preempting"
     CANCELLING = "cancelling"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -16,7 +16,7 @@ from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES
+from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES, RunStatus
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 STATIC_URL = "/static"
@@ -47,8 +47,15 @@ STATUSES_MODULE = f"{STATIC_URL}/js/statuses.js"
 @router.get(STATUSES_MODULE)
 def statuses_module() -> Response:
     lines = [
-        f"export const {name} = new Set({json.dumps(sorted(statuses))});"
-        for name, statuses in (("TERMINAL", TERMINAL_STATUSES), ("RESUMABLE", RESUMABLE_STATUSES))
+        # Every status in the lifecycle's order: the list page's filter offers these.
+        f"export const ALL = {json.dumps([str(s) for s in RunStatus])};",
+        *(
+            f"export const {name} = new Set({json.dumps(sorted(statuses))});"
+            for name, statuses in (
+                ("TERMINAL", TERMINAL_STATUSES),
+                ("RESUMABLE", RESUMABLE_STATUSES),
+            )
+        ),
     ]
     return Response("\n".join(lines) + "\n", media_type="text/javascript")
 

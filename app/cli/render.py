@@ -17,6 +17,7 @@ STATUS_STYLE = {
     "queued": "cyan",
     "starting": "cyan",
     "running": "blue",
+    "preempting": "yellow",
     "cancelling": "yellow",
     "succeeded": "green",
     "failed": "red",

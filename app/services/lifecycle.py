@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -28,14 +29,18 @@ from contract.statuses import RESUMABLE_STATUSES, RunStatus
 log = logging.getLogger("tuneyard")
 
 Q, S, R, C = RunStatus.QUEUED, RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING
+P = RunStatus.PREEMPTING
 OK, FAILED, CANCELLED = RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED
 
 _ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     Q: frozenset({S, FAILED, CANCELLED}),
     # starting → queued: Ray accepted nothing (unreachable), or the attempt was lost.
     # A fast job can finish before the dispatcher sees it running, hence starting → terminal.
-    S: frozenset({Q, R, C, OK, FAILED}),
-    R: frozenset({Q, C, OK, FAILED}),  # → queued: Ray lost the job, a new attempt
+    S: frozenset({Q, R, P, C, OK, FAILED}),
+    R: frozenset({Q, P, C, OK, FAILED}),  # → queued: Ray lost the job, a new attempt
+    # → queued: it stopped at a checkpoint (a new attempt resumes from it); → succeeded: it
+    # trained its last step first; → failed: an error of the training's own.
+    P: frozenset({Q, C, OK, FAILED}),
     C: frozenset({CANCELLED, FAILED, OK}),
     # Terminal states never change, except that resume starts a new attempt.
     FAILED: frozenset({Q}),
@@ -88,13 +93,27 @@ def _move(
     message: str = "",
     failure: Failure | None = None,
     new_attempt: bool = False,
-) -> None:
-    """The one writer of `run.status`; refuses what the table does not allow."""
-    current = run.run_status
+    only_from: RunStatus | None = None,
+) -> bool:
+    """The one writer of `run.status`; refuses what the table does not allow.
+
+    `only_from`: a compare-and-set, for a move two service replicas may race for (a claim):
+    the row moves only if it is still `only_from` at this attempt, whatever this session
+    read before; False when another transaction moved it first."""
+    current = only_from or run.run_status
     if current == new and not new_attempt:
-        return
+        return True
     if not can_transition(current, new):
         raise InvalidTransition(f"run {run.id} is {current}; it cannot become {new}")
+    if only_from is not None:
+        swapped = session.execute(
+            update(Run)
+            .where(Run.id == run.id, Run.status == only_from, Run.attempt == run.attempt)
+            .values(status=new)
+            .execution_options(synchronize_session=False)
+        )
+        if swapped.rowcount != 1:  # type: ignore[attr-defined]
+            return False
     now = utcnow()
     run.status = new
     if new_attempt:
@@ -107,16 +126,15 @@ def _move(
         run.ray_submission_id = None
         run.callback_token_hash = None
         run.attempt_started_at = None
-    if new_attempt or new.is_terminal():
-        # A preemption asked of the attempt that ended is over with it.
+    if new_attempt or new.is_terminal() or new == RunStatus.STARTING:
+        # A preemption asked of the attempt that ended is over with it; a preempted run
+        # reads as one until it is claimed again (app/services/queue.py).
         run.preempt_requested_at = None
         run.preempt_reason = None
     if new != RunStatus.QUEUED:
         run.queue_reason = None
     if new == RunStatus.RUNNING:
-        run.attempt_started_at = run.attempt_started_at or now
-        if run.started_at is None:
-            run.started_at = now
+        _started(run, now)
     if new == RunStatus.SUCCEEDED:
         run_result.record_success(run)
     if new.is_terminal():
@@ -131,6 +149,13 @@ def _move(
     if new.is_terminal():  # in this transaction: a change rolled back notifies nobody
         enqueue_webhooks(session, run, f"run.{new.value}")
     log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
+    return True
+
+
+def _started(run: Run, now: datetime) -> None:
+    run.attempt_started_at = run.attempt_started_at or now
+    if run.started_at is None:
+        run.started_at = now
 
 
 # -- the named transitions ----------------------------------------------------------------
@@ -147,31 +172,20 @@ def enqueue(session: Session, run: Run) -> None:
 def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
     """queued → starting for one dispatcher only: a compare-and-set on the status, so two
     service replicas never both submit a run. None when a peer took it (or it was cancelled)."""
-    assert can_transition(RunStatus.QUEUED, RunStatus.STARTING)
-    claimed = session.execute(
-        update(Run)
-        .where(Run.id == run_id, Run.status == RunStatus.QUEUED)
-        .values(
-            status=RunStatus.STARTING,
-            callback_token_hash=token_hash,
-            queue_reason=None,
-            preempt_requested_at=None,
-            preempt_reason=None,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    if claimed.rowcount != 1:  # type: ignore[attr-defined]
-        return None
     run = session.get(Run, run_id, populate_existing=True)
-    assert run is not None
-    run.ray_submission_id = f"{run.id}-{run.attempt}"
-    record_event(
+    if run is None or run.run_status != RunStatus.QUEUED:
+        return None
+    submission_id = f"{run.id}-{run.attempt}"
+    if not _move(
         session,
         run,
-        type=EventType.STATUS,
-        status=RunStatus.STARTING,
-        message=f"submitting Ray job {run.ray_submission_id}",
-    )
+        RunStatus.STARTING,
+        only_from=RunStatus.QUEUED,
+        message=f"submitting Ray job {submission_id}",
+    ):
+        return None
+    run.ray_submission_id = submission_id
+    run.callback_token_hash = token_hash
     return run
 
 
@@ -199,9 +213,13 @@ def unclaim(session: Session, run: Run, *, reason: str) -> None:
 
 
 def start(session: Session, run: Run, *, message: str = "") -> None:
-    """The worker is running. It may report before the dispatcher committed `starting`."""
+    """The worker is running. It may report before the dispatcher committed `starting`, and
+    after a preemption was asked of it (it stays preempting, started)."""
     if run.run_status == RunStatus.QUEUED:
         _move(session, run, RunStatus.STARTING, message="job accepted by Ray")
+    if run.run_status == RunStatus.PREEMPTING:
+        _started(run, utcnow())
+        return
     _move(session, run, RunStatus.RUNNING, message=message)
 
 
@@ -289,23 +307,20 @@ def request_preemption(session: Session, run: Run, *, reason: str) -> None:
     """Ask a live run's attempt to save a checkpoint at the step it is on and stop. Its
     worker reads this (GET /v1/internal/runs/{id}/control); the run is queued again when
     the worker says it stopped or its job ends (`requeue_preempted`)."""
-    if run.run_status not in (RunStatus.STARTING, RunStatus.RUNNING) or run.preempt_requested_at:
+    if run.run_status not in (RunStatus.STARTING, RunStatus.RUNNING):
         return
     run.preempt_requested_at = utcnow()
     run.preempt_reason = reason
-    record_event(
+    _move(
         session,
         run,
-        type=EventType.MESSAGE,
+        RunStatus.PREEMPTING,
         message=f"preemption requested: {reason}; the attempt saves a checkpoint and stops",
     )
 
 
 def preempting(run: Run) -> bool:
-    return run.preempt_requested_at is not None and run.run_status in (
-        RunStatus.STARTING,
-        RunStatus.RUNNING,
-    )
+    return run.run_status == RunStatus.PREEMPTING
 
 
 def requeue_preempted(session: Session, run: Run, *, how: str) -> None:
@@ -314,8 +329,6 @@ def requeue_preempted(session: Session, run: Run, *, how: str) -> None:
     doing, not a failure, so no failure budget counts it (`resubmits` stays)."""
     reason = run.preempt_reason or "the scheduler needed its resources"
     asked = run.preempt_requested_at or utcnow()
-    if run.run_status == RunStatus.STARTING:
-        _move(session, run, RunStatus.RUNNING, message="the worker had started")
     step = run.step
     record_event(
         session, run, type=EventType.PREEMPTED, message=f"preempted at step {step}: {reason}"

@@ -78,6 +78,7 @@ _STATUS = {
     RunStatus.QUEUED: "queued",
     RunStatus.STARTING: "running",
     RunStatus.RUNNING: "running",
+    RunStatus.PREEMPTING: "running",
     # The stop is asked for and the job will train no further: what OpenAI shows at once.
     RunStatus.CANCELLING: "cancelled",
     RunStatus.SUCCEEDED: "succeeded",

@@ -39,7 +39,7 @@ from app.storage.models import ApiKey, Run
 from contract.run_request import DEFAULT_PRIORITY
 from contract.statuses import RunStatus
 
-LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.CANCELLING)
+LIVE = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.PREEMPTING, RunStatus.CANCELLING)
 # Any constant both replicas agree on: the key of PostgreSQL's advisory lock for a pass.
 SCHEDULER_LOCK = 0x7475_6E65  # "tune"
 # Ray's report of what is taken lags: the monitor refreshes it every few seconds, and a
@@ -98,8 +98,7 @@ def schedule(
             preemptible=row.preemptible and row.status == RunStatus.RUNNING,
             running_since=as_utc(row.attempt_started_at),
             # A cancel under way stops it anyway: it is no preemption that blocks another.
-            preempting=row.preempt_requested_at is not None
-            and row.status in (RunStatus.STARTING, RunStatus.RUNNING),
+            preempting=row.status == RunStatus.PREEMPTING,
         )
         for row in live_rows
     ]

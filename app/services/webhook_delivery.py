@@ -17,7 +17,8 @@ A delivery that fails in any way, an exception of any kind included, is recorded
 retried or failed, never left pending; a claim that lapsed without an outcome (a deliverer
 that died mid-send) counts as an attempt, and past TUNEYARD_WEBHOOK_MAX_ATTEMPTS the row is
 failed rather than sent again. What a failure records is its class ("connection failed",
-"timed out", "refused: address not allowed", "HTTP 503"), never an exception's text: the
+"timed out", "refused: address not allowed", "refused: URL not allowed", "HTTP 503"),
+never an exception's text: the
 tenant reads it, and the details would describe a network it may not reach.
 """
 
@@ -72,7 +73,9 @@ MAX_RETRY_DELAY_S = 3600.0
 # The classes of failure a delivery records, besides REFUSED and "HTTP <status>".
 TIMED_OUT = "timed out"
 CONNECTION_FAILED = "connection failed"
-# Anything else: a URL the client cannot send to, a bug. The log has the exception's type.
+# A stored URL the rule refuses now (credentials in it, one httpx cannot send to).
+REFUSED_URL = "refused: URL not allowed"
+# Anything else: a bug. The log has the exception's type.
 DELIVERY_FAILED = "delivery failed"
 # Claimed on its last attempt, and never recorded: given up when the claim lapsed.
 INTERRUPTED = "interrupted"
@@ -341,7 +344,7 @@ class WebhookDeliverer(TickLoop):
         if not delivery.service_wide and webhook_url_problem(delivery.url) is not None:
             # A run stored before the URL rule tightened (credentials in the URL, which httpx
             # would send as a tenant-chosen Authorization header): refused here as well.
-            return Outcome(None, REFUSED)
+            return Outcome(None, REFUSED_URL)
         client = self._operator_http if delivery.service_wide else self._http
         try:
             # The answer's status is all a delivery needs: its body is never read (a

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from app.api.dashboard import STATIC_DIR
 from app.api.security_headers import CSP_PAGES
-from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES
+from contract.statuses import RESUMABLE_STATUSES, TERMINAL_STATUSES, RunStatus
 
 PAGES = {
     "/": "runs-list.js",
@@ -82,8 +82,14 @@ class TestPages:
             "TERMINAL": {str(s) for s in TERMINAL_STATUSES},
             "RESUMABLE": {str(s) for s in RESUMABLE_STATUSES},
         }
+        [every] = re.findall(r"export const ALL = (\[.*?\]);", module)
+        assert json.loads(every) == [str(s) for s in RunStatus]
         for script in (STATIC_DIR / "js").glob("*.js"):
-            assert not re.search(r'"(succeeded|cancelled)"', script.read_text()), script.name
+            assert not re.search(r'"(succeeded|cancelled|preempting)"', script.read_text()), (
+                script.name
+            )
+        # The list page's filter too: its options come from ALL.
+        assert "<option>" not in (STATIC_DIR / "index.html").read_text()
 
 
 class TestVendoredAssets:

@@ -3,7 +3,9 @@ worker's and Ray's reports turn into."""
 
 from __future__ import annotations
 
+import ast
 import itertools
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -204,6 +206,103 @@ class TestWorkerReports:
             events, run, RunStatus.FAILED, failure=Failure("training_error", "NaN")
         )
         assert (run.status, run.error_code) == (RunStatus.FAILED, "training_error")
+
+
+class TestPreemption:
+    """Preemption is a status of the table, as cancelling is: asked of a live run, left for
+    the queue once the attempt stopped, and ended like any live run otherwise."""
+
+    @pytest.mark.parametrize("live", [RunStatus.STARTING, RunStatus.RUNNING])
+    def test_asked_of_a_live_run_once(self, events: _Events, live: RunStatus) -> None:
+        run = _run(live)
+        lifecycle.request_preemption(events, run, reason="a run of priority 90")  # type: ignore[arg-type]
+        lifecycle.request_preemption(events, run, reason="asked again")  # type: ignore[arg-type]
+        assert run.status == RunStatus.PREEMPTING
+        assert run.preempt_reason == "a run of priority 90"
+        assert events.statuses == ["preempting"]
+        assert lifecycle.preempting(run)
+
+    @pytest.mark.parametrize(
+        "status",
+        [RunStatus.QUEUED, RunStatus.CANCELLING, *sorted(TERMINAL_STATUSES)],
+    )
+    def test_nothing_else_is_preempted(self, events: _Events, status: RunStatus) -> None:
+        run = _run(status)
+        lifecycle.request_preemption(events, run, reason="r")  # type: ignore[arg-type]
+        assert (run.status, run.preempt_requested_at, events.added) == (status, None, [])
+
+    def test_the_stopped_attempt_is_queued_again_to_resume_with_no_budget_spent(
+        self, events: _Events
+    ) -> None:
+        run = _run(RunStatus.RUNNING, max_resubmits=0)
+        run.step = 7
+        lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
+        lifecycle.apply_worker_status(  # type: ignore[arg-type]
+            events, run, RunStatus.FAILED, failure=Failure("cluster_error", "stopped")
+        )
+        assert (run.status, run.attempt, run.resubmits) == (RunStatus.QUEUED, 2, 0)
+        assert run.queue_reason == "preempted (resumes from step 7): needed"
+        assert events.statuses == ["preempting", "queued"]
+
+    def test_a_late_running_keeps_it_preempting_and_marks_it_started(self, events: _Events) -> None:
+        run = _run(RunStatus.STARTING)
+        lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
+        lifecycle.apply_worker_status(events, run, RunStatus.RUNNING)  # type: ignore[arg-type]
+        assert run.status == RunStatus.PREEMPTING
+        assert run.started_at is not None and run.attempt_started_at is not None
+
+    def test_it_may_still_finish_fail_of_itself_or_be_cancelled(self, events: _Events) -> None:
+        for status, then in (
+            (RunStatus.SUCCEEDED, RunStatus.SUCCEEDED),
+            (RunStatus.FAILED, RunStatus.FAILED),
+        ):
+            run = _run(RunStatus.RUNNING)
+            lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
+            failure = Failure("training_error", "NaN") if status == RunStatus.FAILED else None
+            lifecycle.apply_worker_status(events, run, status, failure=failure)  # type: ignore[arg-type]
+            assert run.status == then
+        run = _run(RunStatus.RUNNING)
+        lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
+        assert lifecycle.request_cancel(events, run) == "run_x-1"  # type: ignore[arg-type]
+        assert run.status == RunStatus.CANCELLING
+
+
+def test_only_the_lifecycle_writes_a_runs_status() -> None:
+    """`_move` is the one writer: no other code assigns a run's status or sets it in an
+    UPDATE, over several lines or one, the lifecycle's own named transitions included (a
+    new row is inserted as queued, which is no change)."""
+    from pathlib import Path
+
+    import app
+
+    # An UPDATE of the runs table is `update(Run)` up to its `.values(...)`.
+    writes = re.compile(
+        r"\.status\s*=[^=]|update\(Run\)(?:[^;](?!update\())*?\.values\([^)]*\bstatus="
+        r"|[\"']status[\"']\s*:\s*RunStatus",
+        re.DOTALL,
+    )
+
+    def outside_move(path: Path) -> str:
+        source = path.read_text()
+        if path.name != "lifecycle.py":
+            return source
+        [move] = [
+            node
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and node.name == "_move"
+        ]
+        return source.replace(ast.get_source_segment(source, move) or "", "")
+
+    offenders = [
+        f"{path}: {found.group(0)!r}"
+        for path in Path(app.__file__).parent.rglob("*.py")
+        for found in writes.finditer(outside_move(path))
+    ]
+    assert offenders == []
+    # The rule finds what it is for: the claim's old compare-and-set, written outside _move.
+    assert writes.search(
+        "update(Run)\n.where(Run.id == x)\n.values(\n    status=RunStatus.STARTING,\n)"
+    )
 
 
 class TestRayReports:

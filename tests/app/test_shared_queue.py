@@ -592,6 +592,7 @@ class TestPreemption:
         dispatcher: Dispatcher,
         ray: ScriptedRay,
         low: str,
+        sweeps_key: Headers,
         urgent_key: Headers,
     ) -> None:
         worker = worker_headers(ray, low)
@@ -605,11 +606,13 @@ class TestPreemption:
             "preempting another key's run"
         )
         assert control(client, low, worker).json() == {"preempt": True, "reason": why}
-        assert stored(session_factory, low).status == "running"  # until the worker stops
+        # A status of its own in the lifecycle, until the worker stops; a client sees it.
+        assert stored(session_factory, low).status == "preempting"
+        assert client.get(f"/v1/runs/{low}", headers=sweeps_key).json()["status"] == "preempting"
         # The request is made once: a second pass, the run still stopping, does not repeat it.
         dispatcher.dispatch_queued_runs()
         requested = [e for e in events(session_factory, low) if "preemption requested" in e.message]
-        assert len(requested) == 1
+        assert [(e.type, e.status) for e in requested] == [("status", "preempting")]
 
         # The worker saved its checkpoint at step 3 and says so.
         said = client.post(

@@ -221,6 +221,9 @@ def test_a_higher_priority_run_preempts_a_lower_one_which_resumes_without_a_gap(
     assert len(preempted) == 1 and preempted[0]["attempt"] == 1, events
     assert "another key's run (priority 90) needs its resources" in preempted[0]["message"]
     assert high not in preempted[0]["message"]
+    # Its first attempt was preempting, a status of its own, until it stopped.
+    first = [e["status"] for e in events if e["type"] == "status" and e["attempt"] == 1]
+    assert first[-2:] == ["running", "preempting"], first
     stopped_at = int(preempted[0]["message"].split("preempted at step ")[1].split(":")[0])
     assert 1 <= stopped_at < steps
     # The checkpoint was taken at the step it stopped: the second attempt's first step is

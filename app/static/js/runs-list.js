@@ -3,7 +3,7 @@
 import { json } from "./api.js";
 import { Sparkline } from "./charts.js";
 import { dateTime, duration, el, methodOf, number, parallelism, progressBar, statusBadge } from "./format.js";
-import { TERMINAL } from "./statuses.js";
+import { ALL, TERMINAL } from "./statuses.js";
 
 const REFRESH_MS = 2000;
 
@@ -13,6 +13,9 @@ const state = document.getElementById("list-state");
 const compareButton = document.getElementById("compare-selected");
 const selected = new Set();
 const losses = new Map(); // run id -> { values, lastStep, done, spark }
+
+// The statuses a run can have, from the contract (statuses.js), after "any".
+form.status.append(...ALL.map((status) => el("option", {}, status)));
 
 // The filters live in the address (`?status=running&metadata.team=nlp`), as in the API.
 function showFilters() {

@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.services import webhook_delivery
 from app.services.webhook_delivery import SENDS_PER_OWNER, WebhookDeliverer
 from app.settings import Settings
 from app.storage.db import transaction
@@ -117,7 +118,9 @@ def test_a_url_httpx_cannot_send_to_is_refused_when_the_run_is_made(
     assert client.get("/v1/runs", headers=auth).json()["data"] == []
 
 
-def test_rows_that_raise_are_recorded_beside_another_tenants_which_is_sent_once(
+@pytest.mark.parametrize("how", ["unsendable-url", "the-send-raises"])
+def test_rows_that_cannot_be_sent_are_recorded_beside_another_tenants_which_is_sent_once(
+    how: str,
     client: TestClient,
     auth: dict[str, str],
     other: dict[str, str],
@@ -125,11 +128,25 @@ def test_rows_that_raise_are_recorded_beside_another_tenants_which_is_sent_once(
     session_factory: sessionmaker[Session],
     deliverer: WebhookDeliverer,
     receiver_b: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The issue's reproduction: with four or more bad rows due, nothing else was sent; here
-    five, older than tenant B's row, which comes due in the same tick."""
+    five, older than tenant B's row, which comes due in the same tick. Their URL (stored
+    before the rule) is refused before it reaches httpx, whose InvalidURL aborted the whole
+    tick; and any exception a send raises (a bug: nothing a tenant sends provokes one now,
+    so one is put in its way) is one row's failure too."""
     run_a = cancelled_run(client, auth, tmp_path, [])
     bad = add_unsendable(session_factory, run_a, 5)
+    expected = "refused: URL not allowed"
+    if how == "the-send-raises":
+        expected = "delivery failed"
+
+        def raising(url: str) -> str | None:
+            if url == UNSENDABLE:  # tenant A's rows
+                raise RuntimeError("a bug")
+            return None
+
+        monkeypatch.setattr(webhook_delivery, "webhook_url_problem", raising)
     run_b = cancelled_run(client, other, tmp_path, [{"url": receiver_b.url}])
 
     assert deliverer.tick() == 6
@@ -138,7 +155,7 @@ def test_rows_that_raise_are_recorded_beside_another_tenants_which_is_sent_once(
     assert receiver_b.events() == ["run.cancelled"]
     for row in rows(session_factory, bad):
         # Recorded as a failed attempt, with its class, and due again later.
-        assert (row.status, row.attempts, row.last_error) == ("pending", 1, "delivery failed")
+        assert (row.status, row.attempts, row.last_error) == ("pending", 1, expected)
 
     deliver_until(deliverer, lambda: {r.status for r in rows(session_factory, bad)} == {"failed"})
     assert {r.attempts for r in rows(session_factory, bad)} == {3}  # webhook_max_attempts

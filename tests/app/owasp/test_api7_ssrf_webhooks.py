@@ -356,7 +356,7 @@ def test_credentials_in_a_url_stored_before_the_rule_are_not_sent(
         deliverer.stop()
     assert receiver.received == []
     [refused] = deliveries(client, run_id, auth)
-    assert (refused["status"], refused["last_error"]) == ("pending", "refused: address not allowed")
+    assert (refused["status"], refused["last_error"]) == ("pending", "refused: URL not allowed")
 
 
 def test_a_failed_delivery_records_only_the_class_of_failure(
