@@ -72,6 +72,10 @@ def configure_logging(*, fmt: Literal["text", "json"], level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs each request's whole URL at INFO: a tenant's webhook URL, with any token in
+    # its path or query, would reach the operator's logs on every delivery. Its warnings
+    # stay; the deliverer logs the host of a failed delivery itself.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 def run_log(logger: logging.Logger, run_id: str) -> logging.LoggerAdapter[logging.Logger]:

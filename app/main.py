@@ -17,12 +17,12 @@ from app.api import dashboard, files, fine_tuning, health, internal, prometheus,
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
-from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_head import ensure_local_head, stop_local_head
 from app.cluster.ray_jobs import RayJobs
 from app.logs import RunIdMiddleware
 from app.metrics import ServiceMetrics
 from app.schemas.profile import ValidateRequest
+from app.services.dispatch import Dispatcher
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileReaper
 from app.services.rules.tracking_rules import configure_sessions as configure_tracking_sessions

@@ -27,7 +27,7 @@ class FailureCode(StrEnum):
     TRAINING_ERROR = "training_error"  # the run's own model, data, code or memory
     CLUSTER_ERROR = "cluster_error"  # Ray failed under the run (a node or the head went away)
     UNPLACEABLE = "unplaceable"  # no node of the cluster could ever hold a worker
-    # Said by the service (app/services/lifecycle.py, app/cluster/dispatch.py).
+    # Said by the service (app/services/lifecycle.py, app/services/dispatch.py).
     LOST = "lost"  # attempts were lost to the cluster until none remained
     RAY_REJECTED = "ray_rejected"  # Ray refused the job
     JOB_FAILED = "job_failed"  # Ray's job failed without the worker saying why

@@ -12,11 +12,11 @@ from fastapi import Depends, Request
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_jobs import RayJobs
 from app.errors import Unauthorized
 from app.metrics import ServiceMetrics
 from app.services.api_keys import find_api_key
+from app.services.dispatch import Dispatcher
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileSlots
 from app.settings import Settings

@@ -13,8 +13,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from app.api.deps import run_in_read_session, run_in_write_session
-from app.cluster.dispatch import Dispatcher
 from app.services import runs
+from app.services.dispatch import Dispatcher
 from app.storage.models import Run
 
 log = logging.getLogger("tuneyard")

@@ -189,6 +189,10 @@ def claim(session: Session, run_id: str, *, token_hash: str) -> Run | None:
     return run
 
 
+# Why a run waits while the cluster does not answer.
+RAY_AWAY = "waiting for the Ray cluster, which does not answer now; the service retries"
+
+
 def unclaim(session: Session, run: Run, *, reason: str) -> None:
     """starting → queued, same attempt, same place in the queue: Ray accepted nothing.
 
@@ -210,6 +214,9 @@ def unclaim(session: Session, run: Run, *, reason: str) -> None:
         else:
             session.delete(claimed)
     _move(session, run, RunStatus.QUEUED, message=reason)
+    # What its owner reads until a pass that reaches Ray says otherwise; the event keeps
+    # Ray's own words (its address among them, which is the operator's).
+    run.queue_reason = RAY_AWAY
 
 
 def start(session: Session, run: Run, *, message: str = "") -> None:

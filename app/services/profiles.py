@@ -2,9 +2,9 @@
 for (`POST /v1/runs/validate` with `profile: true`).
 
 The service submits a Ray job (`profile-<random>`) with the runtime env of a run's own job
-(app/cluster/dispatch.py `job_runtime_env`) and `python -m worker.profile` as its entry point, which
-builds the training as a run does and times a few steps under Ray Train with the run's
-resources. Rank 0 writes what it measured to `profiles/<id>.json` in storage, or the job's
+(app/cluster/runtime_env.py `job_runtime_env`) and `python -m worker.profile` as its entry
+point, which builds the training as a run does and times a few steps under Ray Train with
+the run's resources. Rank 0 writes what it measured to `profiles/<id>.json` in storage, or the job's
 driver writes why it failed there. The service waits for the job without holding a thread
 (each look at Ray is one short trip to a worker thread), reads the JSON, then leaves the
 cluster as it was: the JSON, Ray Train's folder for the profile and Ray's record of the job
@@ -36,8 +36,8 @@ import anyio
 import anyio.to_thread
 
 from app.background import TickLoop
-from app.cluster.dispatch import job_runtime_env
 from app.cluster.ray_jobs import JobRecord, JobState, RayJobs, RayRejected, RayUnavailable, redact
+from app.cluster.runtime_env import job_runtime_env
 from app.errors import TooManyRequests
 from app.schemas.profile import ProfileError, ProfileView, WorkerProfile, warmup_steps
 from app.settings import Settings

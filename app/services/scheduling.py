@@ -1,5 +1,5 @@
 """The scheduler's rules: which queued runs start now, why the others wait, and which run
-to preempt. Pure: app/cluster/dispatch.py feeds it the database's runs and the cluster's free
+to preempt. Pure: app/services/dispatch.py feeds it the database's runs and the cluster's free
 resources inside one locked transaction, and the run views use `queue_order` for positions.
 
 The order (Kueue's and Determined's, for training runs):

@@ -162,7 +162,7 @@ class Run(Base):
     # What the run asks of the cluster in all (workers x per worker), for quotas and fair
     # share without reading every queued run's spec.
     gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # While queued: why it waits, as the scheduler's latest pass found (app/cluster/dispatch.py).
+    # While queued: why it waits, as the scheduler's latest pass found (app/services/dispatch.py).
     queue_reason: Mapped[str | None] = mapped_column(Text)
     # When the current attempt began running (started_at is the first attempt's): how long
     # it has run, which a preemption must respect.

@@ -25,8 +25,8 @@ from app.main import create_app
 from app.settings import Settings
 from contract.job_env import CALLBACK_URL_ENV, SPEC_ENV, TOKEN_ENV
 from contract.run_request import RunSpec
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.conftest import served
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import job_token
 from tests.factories import run_request
 from worker.checkpoints import checkpoint_dir_name

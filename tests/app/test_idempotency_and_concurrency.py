@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.main import create_app
 from app.settings import Settings
 from app.storage.models import Run
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
 
 

@@ -169,7 +169,7 @@ def test_an_object_store_that_stops_answering_is_a_503(
 ) -> None:
     from app.storage.db import make_engine, make_session_factory
     from app.storage.migrate import upgrade_database
-    from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+    from tests.app.test_dispatch import ScriptedRay, dispatch_to
     from tests.app.worker_calls import worker_headers
     from tests.conftest import make_api_key, running_s3_server
     from tests.factories import run_request

@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_jobs import RayUnavailable
 from app.logs import configure_logging
+from app.services.dispatch import Dispatcher
 from app.settings import Settings
-from tests.app.cluster.test_dispatch import ScriptedRay
+from tests.app.test_dispatch import ScriptedRay
 from tests.app.worker_calls import post_status, worker_headers
 from tests.factories import run_request
 
@@ -209,3 +209,25 @@ class TestStructuredLogs:
         first, second = stream.getvalue().splitlines()
         assert first.endswith("hello run_id=run_abc")
         assert second.endswith("no run")
+
+    def test_no_request_url_reaches_the_log(self, tmp_path: Path) -> None:
+        """httpx logs every request's URL at INFO; the service's own requests include its
+        tenants' webhook URLs, whose path or query may hold a token (issue 39's attack)."""
+        import httpx
+
+        root = logging.getLogger()
+        saved = root.handlers[:], root.level, logging.getLogger("httpx").level
+        try:
+            configure_logging(fmt="text", level="INFO")
+            stream = io.StringIO()
+            root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
+            transport = httpx.MockTransport(lambda request: httpx.Response(200))
+            with httpx.Client(transport=transport) as http:
+                http.post("https://hooks.example.test/ok?token=SECRET_A1")
+            logging.getLogger("tuneyard").info("still logging")
+        finally:
+            root.handlers[:], _, httpx_level = saved
+            root.setLevel(saved[1])
+            logging.getLogger("httpx").setLevel(httpx_level)
+        assert "SECRET_A1" not in stream.getvalue()
+        assert "still logging" in stream.getvalue()

@@ -24,7 +24,7 @@ from app.settings import Settings
 from contract.job_env import CALLBACK_URL_ENV, PROFILE_ENV, SPEC_ENV, TOKEN_ENV
 from contract.run_request import ResourcesSpec, RunSpec
 from contract.storage import Storage
-from tests.app.cluster.test_dispatch import ScriptedRay
+from tests.app.test_dispatch import ScriptedRay
 from tests.factories import run_request
 
 MEASURED: dict[str, Any] = {

@@ -18,10 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_jobs import JobState, RayUnavailable
+from app.services.dispatch import Dispatcher
 from app.settings import Settings
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import post_status, run_location, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import run_location, worker_headers
 from tests.factories import run_request
 

@@ -19,16 +19,16 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import Dispatcher
 from app.cluster.ray_jobs import JobState, UsageNotReported
 from app.services.api_keys import create_api_key
+from app.services.dispatch import Dispatcher
 from app.services.placement import ClusterView
 from app.services.queue import LIVE
 from app.services.scheduling import Ask
 from app.settings import Settings
 from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.models import Event, Run, utcnow
-from tests.app.cluster.test_dispatch import ScriptedRay
+from tests.app.test_dispatch import ScriptedRay
 from tests.app.worker_calls import control, post_status, worker_headers
 from tests.factories import run_request
 
@@ -518,7 +518,7 @@ class TestWithoutRaysReport:
         assert dispatcher.dispatch_queued_runs() == 0
         assert stored(session_factory, run_id).status == "queued"
         # A monitor that never reports (failing) must not hold the queue for good.
-        monkeypatch.setattr("app.cluster.dispatch.USAGE_WAIT_S", 0.0)
+        monkeypatch.setattr("app.services.dispatch.USAGE_WAIT_S", 0.0)
         assert dispatcher.dispatch_queued_runs() == 1
 
 

@@ -15,7 +15,7 @@ from app.settings import Settings
 from app.storage.models import Run
 from contract.deepspeed_config import resolve_deepspeed_config
 from contract.run_request import RunSpec
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
 from worker.train_loop import model_hidden_size
 

@@ -35,7 +35,7 @@ from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.models import ApiKey, Run, WebhookDelivery
 from contract.job_env import SPEC_ENV
 from contract.statuses import RunStatus
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import post_status, run_location, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request

@@ -29,8 +29,8 @@ from app.ports import free_port
 from app.services import profiles
 from app.settings import Settings
 from contract.job_env import PROFILE_ENV
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.conftest import served
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.test_profiles import ProfilingRay
 from tests.app.worker_calls import bearer, job_token, run_location
 from tests.conftest import make_api_key

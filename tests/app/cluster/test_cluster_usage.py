@@ -123,7 +123,7 @@ class TestFreeByNode:
     def test_the_ray_client_reports_it_as_ray_unavailable(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """The dispatcher then judges slots and quotas only (app/cluster/dispatch.py)."""
+        """The dispatcher then judges slots and quotas only (app/services/dispatch.py)."""
 
         class Answer:
             def raise_for_status(self) -> None:

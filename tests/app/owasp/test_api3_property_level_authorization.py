@@ -17,7 +17,7 @@ from app.cluster.ray_jobs import RayJobs, RayUnavailable
 from app.logs import TextFormatter
 from app.settings import Settings
 from app.storage.models import Event, Run
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import job_token
 from tests.factories import run_request
 

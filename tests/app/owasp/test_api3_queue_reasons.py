@@ -20,9 +20,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import Dispatcher
+from app.services.dispatch import Dispatcher
 from app.settings import Settings
-from tests.app.cluster.test_dispatch import ScriptedRay
+from tests.app.test_dispatch import ScriptedRay
 from tests.app.test_shared_queue import backdate, dispatcher_for, new_key, submit
 from tests.app.worker_calls import control, worker_headers
 

@@ -32,7 +32,7 @@ from app.main import create_app
 from app.services import profiles
 from app.settings import Settings
 from contract.job_env import PROFILE_ENV
-from tests.app.cluster.test_dispatch import ScriptedRay, dispatch_to
+from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.test_profiles import ProfilingRay
 from tests.app.test_shared_queue import new_key
 from tests.factories import run_request

@@ -20,15 +20,16 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cluster.dispatch import (
-    JOB_PACKAGES,
+from app.cluster.ray_jobs import JobRecord, JobState, RayRejected, RayUnavailable, redact
+from app.cluster.runtime_env import JOB_PACKAGES
+from app.security import hash_secret
+from app.services.dispatch import (
     MAX_SCHEDULE_REST_S,
     SCHEDULE_REST_FACTOR,
     Dispatcher,
     build_runtime_env,
 )
-from app.cluster.ray_jobs import JobRecord, JobState, RayRejected, RayUnavailable, redact
-from app.security import hash_secret
+from app.services.lifecycle import RAY_AWAY
 from app.settings import Settings
 from app.storage.models import Event, Run, utcnow
 from contract.run_request import RunRequest
@@ -220,7 +221,7 @@ class TestDispatch:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.services.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
         dispatcher.dispatch_queued_runs()
@@ -246,7 +247,7 @@ class TestDispatch:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.services.dispatch.time.monotonic", lambda: now[0])
         calls = []
 
         def down(**kwargs: Any) -> None:
@@ -730,7 +731,7 @@ class TestEventsWhileRayIsAway:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.services.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         ray.fail_with = RayUnavailable("cannot reach Ray at http://ray.invalid")
         tries = 12
@@ -738,6 +739,10 @@ class TestEventsWhileRayIsAway:
             dispatcher.dispatch_queued_runs()
             now[0] += 60.0  # past any backoff: every pass tries again
         assert _run(session_factory, run_id).status == "queued"
+        # Its owner reads why it waits (not Ray's address, which the event keeps).
+        assert client.get(f"/v1/runs/{run_id}", headers=auth).json()["queue"]["reason"] == (
+            RAY_AWAY
+        )
 
         events = [(e.status, e.message, e.repeats) for e in _events(session_factory, run_id)]
         assert events == [
@@ -765,7 +770,7 @@ class TestEventsWhileRayIsAway:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         now = [1000.0]
-        monkeypatch.setattr("app.cluster.dispatch.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("app.services.dispatch.time.monotonic", lambda: now[0])
         run_id = _create(client, auth, tmp_path)
         for address in ("0x7f3c2b1d5a90", "0x7f3c2b1d6f10"):
             ray.fail_with = RayUnavailable(

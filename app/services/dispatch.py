@@ -13,9 +13,8 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -31,6 +30,7 @@ from app.cluster.ray_jobs import (
     redact,
     try_stop,
 )
+from app.cluster.runtime_env import ENTRYPOINT, job_runtime_env
 from app.logs import RepeatedWarning, run_log
 from app.metrics import ServiceMetrics
 from app.schemas.run_view import as_utc
@@ -46,10 +46,6 @@ from app.storage.models import Run, utcnow
 from contract.callbacks import EventType, FailureCode
 from contract.job_env import (
     CALLBACK_URL_ENV,
-    CLUSTER_AUTOSCALES_ENV,
-    CONTROL_POLL_ENV,
-    PLACEMENT_TIMEOUT_ENV,
-    SPEC_ENV,
     TOKEN_ENV,
 )
 from contract.run_request import ResourcesSpec, RunSpec
@@ -57,10 +53,6 @@ from contract.statuses import RunStatus
 
 log = logging.getLogger("tuneyard")
 
-_ROOT = Path(__file__).resolve().parents[2]
-# What ships to the cluster with every job: the worker and the run contract it reads.
-JOB_PACKAGES = [str(_ROOT / "worker"), str(_ROOT / "contract")]
-ENTRYPOINT = "python -m worker"
 # A `starting` run younger than this may still be in its dispatcher's hands.
 SUBMIT_GRACE = timedelta(seconds=30)
 MAX_RAY_BACKOFF_S = 30.0
@@ -98,30 +90,6 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
             **tracking_job_env(spec, settings=settings),
         },
     )
-
-
-def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]) -> dict[str, Any]:
-    """The runtime_env of every job tuneyard submits, a run's attempt or a validation's
-    profile (app/services/profiles.py): the same packages, variables and spec, so that a
-    profile measures what the run will train. `env`: the job's own variables, set last."""
-    # The operator's variables first (NCCL_*, HF_TOKEN, ...; Settings refuses tuneyard's own
-    # names), so what tuneyard sets below always wins. Never logged: they may be secrets.
-    env_vars = settings.resolved_job_env()
-    env_vars.update(
-        {
-            SPEC_ENV: spec.model_dump_json(),
-            "PYTHONUNBUFFERED": "1",
-            # Ray Train's wait for the workers to be placed; worker/trainer.py makes its
-            # expiry end the run (Ray's default retries it forever).
-            PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
-            CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",
-            CONTROL_POLL_ENV: str(settings.preemption_poll_s),
-            **env,
-        }
-    )
-    if not spec.resources.use_gpu:
-        env_vars["DS_ACCELERATOR"] = "cpu"  # skip DeepSpeed's accelerator probing
-    return {"py_modules": JOB_PACKAGES, "env_vars": env_vars}
 
 
 class Dispatcher(TickLoop):
