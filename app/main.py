@@ -25,9 +25,7 @@ from app.schemas.profile import ValidateRequest
 from app.services.dispatch import Dispatcher
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileReaper
-from app.services.rules.tracking_rules import configure_sessions as configure_tracking_sessions
 from app.services.webhook_delivery import WebhookDeliverer
-from app.services.webhooks import configure_sessions
 from app.settings import Settings
 from app.storage.db import make_engine, make_read_engine, make_session_factory
 from app.storage.migrate import prepare_database
@@ -137,8 +135,6 @@ def create_app(
         read_session_factory=read_session_factory,
         metrics=ServiceMetrics(read_session_factory),
     )
-    configure_sessions(settings, state.session_factory, state.read_session_factory)
-    configure_tracking_sessions(settings, state.session_factory, state.read_session_factory)
     install_error_handlers(app)
     app.add_middleware(RunIdMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: every answer, errors included

@@ -6,7 +6,7 @@ import ipaddress
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
@@ -14,7 +14,11 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.services.rules.path_rules import ServiceFolder, SourceRoots
+from app.services.rules.run_rules import RequestPolicy
+from app.services.rules.tracking_rules import TrackingConfig
 from app.services.rules.webhook_addresses import AddressPolicy
+from app.services.rules.webhook_rules import WebhookConfig
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
 from contract.run_request import TERMINAL_WEBHOOK_EVENTS, WEBHOOK_EVENTS, WebhookSpec
 from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
@@ -23,25 +27,6 @@ from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_probl
 DEMO_DIRNAME = "demo"
 # Uploaded files, under the storage path. Reachable only through their file id, by their owner.
 UPLOADS_DIRNAME = "files"
-
-
-# The service's own folders, by what they hold: a refusal names which (path_rules.py).
-ServiceFolder = Literal["uploads", "storage", "state"]
-
-
-class SourceRoots(list[Path]):
-    """The folders a run may read a local model or dataset from (the list itself), and the
-    service's own folders it may never read from, whatever the list says (`refused`, the
-    most specific first): its uploads and the rest of its storage (every run's checkpoints
-    and exports, profiles), each an API key's own and reached through a file or run id that
-    only its owner can use, and its state. A list, so that callers which only know the
-    allowed roots keep working. app/services/rules/path_rules.py applies it."""
-
-    def __init__(
-        self, allowed: Iterable[Path], *, refused: Mapping[Path, ServiceFolder] | None = None
-    ) -> None:
-        super().__init__(allowed)
-        self.refused: dict[Path, ServiceFolder] = dict(refused or {})
 
 
 class Settings(BaseSettings):
@@ -325,6 +310,29 @@ class Settings(BaseSettings):
             refused[Path(self.storage.root).resolve()] = "storage"
         refused[self.ray_state_dir.resolve()] = "state"
         return SourceRoots((r.expanduser().resolve() for r in roots), refused=refused)
+
+    def request_policy(self) -> RequestPolicy:
+        """What a request's checks need of these settings (app/services/rules/run_rules.py)."""
+        return RequestPolicy(
+            roots=self.resolved_allowed_roots,
+            webhooks=self.webhook_config(),
+            tracking=self.tracking_config(),
+        )
+
+    def webhook_config(self) -> WebhookConfig:
+        """What webhooks need of these settings (checks, the lifecycle's ends, enqueueing)."""
+        return WebhookConfig(
+            signed=self.webhook_secret is not None,
+            urls=tuple(self.webhook_urls),
+            events=frozenset(self.webhook_events),
+            addresses=AddressPolicy.parse(self.webhook_allowed_networks),
+        )
+
+    def tracking_config(self) -> TrackingConfig:
+        """What experiment tracking needs of these settings (checks, a run's job env)."""
+        return TrackingConfig(
+            mlflow_tracking_uri=self.mlflow_tracking_uri, job_env=self.resolved_job_env()
+        )
 
     @property
     def resolved_callback_url(self) -> str:

@@ -56,7 +56,8 @@ def prepare(database_url: str, assets: TinyAssets, *, runs: int) -> Fixture:
     from app.security import hash_secret
     from app.services import lifecycle
     from app.services.api_keys import create_api_key
-    from app.services.runs import create_run
+    from app.services.rules.run_rules import RequestPolicy
+    from app.services.runs import prepare_run, store_run
     from app.storage.db import make_engine, make_session_factory, transaction
     from app.storage.migrate import upgrade_database
     from app.storage.models import Run
@@ -76,9 +77,13 @@ def prepare(database_url: str, assets: TinyAssets, *, runs: int) -> Fixture:
                         "training": {"max_steps": 1_000_000, "seq_length": 64},
                     }
                 )
-                run, _ = create_run(
-                    session, request=request, owner_id=key.id, allowed_roots=[assets.root]
+                new = prepare_run(
+                    session,
+                    request=request,
+                    owner_id=key.id,
+                    policy=RequestPolicy(roots=[assets.root]),
                 )
+                run, _ = store_run(session, new)
                 token = f"rt_{secrets.token_urlsafe(32)}"
                 run.callback_token_hash = hash_secret(token)
                 run.ray_submission_id = f"{run.id}-1"

@@ -19,6 +19,8 @@ from app.services.api_keys import find_api_key
 from app.services.dispatch import Dispatcher
 from app.services.placement import ClusterView
 from app.services.profiles import ProfileSlots
+from app.services.rules.run_rules import RequestPolicy
+from app.services.rules.webhook_rules import WebhookConfig
 from app.settings import Settings
 from app.storage import db
 from app.storage.loop_writes import LoopWriter
@@ -53,10 +55,16 @@ class AppState:
     ray_calls: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(8))
     # The profiles this process runs (`POST /v1/runs/validate` with `profile: true`).
     profile_slots: ProfileSlots = field(init=False)
+    # What the settings say to a request's checks, and to whatever ends a run or enqueues a
+    # webhook: made once, passed to them as arguments.
+    policy: RequestPolicy = field(init=False)
+    hooks: WebhookConfig = field(init=False)
 
     def __post_init__(self) -> None:
         self.loop_writer = LoopWriter(self.session_factory, self.admission.sessions)
         self.profile_slots = ProfileSlots(self.settings.max_concurrent_profiles)
+        self.policy = self.settings.request_policy()
+        self.hooks = self.policy.webhooks
 
 
 def app_state(request: Request) -> AppState:
@@ -70,6 +78,11 @@ def app_state(request: Request) -> AppState:
 
 async def get_settings(request: Request) -> Settings:
     return app_state(request).settings
+
+
+async def get_hooks(request: Request) -> WebhookConfig:
+    """The service's webhook settings, for whatever ends a run or enqueues a webhook."""
+    return app_state(request).hooks
 
 
 async def get_jobs(request: Request) -> RayJobs | None:
@@ -262,6 +275,7 @@ def is_sqlite(factory: sessionmaker[Session]) -> bool:
 LOCAL_PRINCIPAL = "local"
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+HooksDep = Annotated[WebhookConfig, Depends(get_hooks)]
 JobsDep = Annotated[RayJobs | None, Depends(get_jobs)]
 DispatcherDep = Annotated[Dispatcher | None, Depends(get_dispatcher)]
 ClusterDep = Annotated[ClusterView | None, Depends(get_cluster)]

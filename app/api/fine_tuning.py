@@ -18,10 +18,12 @@ from app.api.deps import (
     ClusterDep,
     CurrentPrincipal,
     DispatcherDep,
+    HooksDep,
     JobsDep,
     Principal,
     SessionDep,
     SettingsDep,
+    app_state,
     read_as_caller,
 )
 from app.cluster.ray_jobs import try_stop
@@ -102,7 +104,7 @@ async def create_fine_tuning_job(
             session,
             job=body,
             owner_id=principal.id,
-            allowed_roots=settings.resolved_allowed_roots,
+            policy=app_state(request).policy,
             cluster=cluster,
         ),
         store=lambda session, new: (openai_jobs.store_job(session, new, job=body), True),
@@ -167,9 +169,10 @@ def cancel_fine_tuning_job(
     principal: CurrentPrincipal,
     jobs: JobsDep,
     background: BackgroundTasks,
+    hooks: HooksDep,
 ) -> Job:
     run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id, for_update=True)
-    stop = lifecycle.request_cancel(session, run)
+    stop = lifecycle.request_cancel(session, run, hooks=hooks)
     if stop is not None and jobs is not None:
         background.add_task(try_stop, jobs, stop)  # after the commit, as cancel_run does
     return openai_jobs.job_view(run, trained_tokens=None)
@@ -189,8 +192,9 @@ def pause_fine_tuning_job(
     principal: CurrentPrincipal,
     jobs: JobsDep,
     background: BackgroundTasks,
+    hooks: HooksDep,
 ) -> Job:
-    return cancel_fine_tuning_job(job_id, session, principal, jobs, background)
+    return cancel_fine_tuning_job(job_id, session, principal, jobs, background, hooks)
 
 
 @router.post(

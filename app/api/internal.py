@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import (
     MetricsDep,
     SettingsDep,
+    app_state,
     bearer_token,
     run_in_read_session,
     run_in_write_session,
@@ -71,7 +72,7 @@ async def post_status(
         run = callbacks.authorize_worker(
             session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
         )
-        callbacks.apply_status(session, run, body)
+        callbacks.apply_status(session, run, body, hooks=app_state(request).hooks)
         return {"status": run.status}
 
     answer = await run_in_write_session(request, write)
@@ -117,7 +118,8 @@ async def post_checkpoint(
         run = callbacks.authorize_worker(
             session, run_id=run_id, token_hash=token_hash, attempt=body.attempt
         )
-        return {"id": callbacks.store_checkpoint(session, run, checked).id}
+        stored = callbacks.store_checkpoint(session, run, checked, hooks=app_state(request).hooks)
+        return {"id": stored.id}
 
     answer = await run_in_write_session(request, write)
     metrics.callbacks.labels("checkpoint").inc()
@@ -147,7 +149,13 @@ async def post_event(
             run_result.record_early_stop(run, body.message)
         # Once per early stop: a worker repeating its post is counted on the same event row.
         if body.type == EventType.EARLY_STOPPED and event.repeats == 1:
-            enqueue_webhooks(session, run, "run.early_stopped", {"message": event.message})
+            enqueue_webhooks(
+                session,
+                run,
+                "run.early_stopped",
+                {"message": event.message},
+                hooks=app_state(request).hooks,
+            )
         session.flush()
         return {"id": event.id}
 

@@ -32,6 +32,7 @@ from app.api.deps import (
     ClusterDep,
     CurrentPrincipal,
     DispatcherDep,
+    HooksDep,
     JobsDep,
     Principal,
     ProfileSlotsDep,
@@ -146,7 +147,7 @@ async def create_run(
             session,
             request=body,
             owner_id=principal.id,
-            allowed_roots=settings.resolved_allowed_roots,
+            policy=app_state(request).policy,
             idempotency_key=idempotency_key,
             cluster=cluster,
         ),
@@ -209,7 +210,7 @@ async def validate_run(
             session,
             body=body,
             owner_id=principal.id,
-            allowed_roots=settings.resolved_allowed_roots,
+            policy=app_state(request).policy,
             cluster=cluster,
         )
 
@@ -391,9 +392,10 @@ def cancel_run(
     principal: CurrentPrincipal,
     jobs: JobsDep,
     background: BackgroundTasks,
+    hooks: HooksDep,
 ) -> RunView:
     run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    stop = lifecycle.request_cancel(session, run)
+    stop = lifecycle.request_cancel(session, run, hooks=hooks)
     if stop is not None and jobs is not None:
         # After the commit: Ray is asked only once `cancelling` is stored (and the
         # reconciler asks again if this attempt cannot reach Ray).

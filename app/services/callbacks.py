@@ -17,6 +17,7 @@ from app.security import hash_secret, secret_matches
 from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
 from app.services.rules.path_rules import run_location
+from app.services.rules.webhook_rules import WebhookConfig
 from app.services.webhooks import enqueue_webhooks
 from app.storage.models import RUN_ID, Checkpoint, Metric, Run, is_minted
 from contract.callbacks import CheckpointPost, EventType, MetricsPost, StatusPost
@@ -68,10 +69,15 @@ def authorize_worker(
     return run
 
 
-def apply_status(session: Session, run: Run, post: StatusPost) -> None:
+def apply_status(session: Session, run: Run, post: StatusPost, *, hooks: WebhookConfig) -> None:
     failure = Failure(post.error.code, post.error.message) if post.error else None
     lifecycle.apply_worker_status(
-        session, run, RunStatus(post.status), message=post.message or "", failure=failure
+        session,
+        run,
+        RunStatus(post.status),
+        message=post.message or "",
+        failure=failure,
+        hooks=hooks,
     )
 
 
@@ -131,7 +137,9 @@ def checked_location(storage: Storage, *, run_id: str, post: CheckpointPost) -> 
     return post.model_copy(update={"path": location})
 
 
-def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkpoint:
+def store_checkpoint(
+    session: Session, run: Run, post: CheckpointPost, *, hooks: WebhookConfig
+) -> Checkpoint:
     """Records a checkpoint or export whose location `checked_location` accepted."""
     existing = session.scalar(
         select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.path == post.path)
@@ -163,5 +171,5 @@ def store_checkpoint(session: Session, run: Run, post: CheckpointPost) -> Checkp
     session.flush()
     run_result.record_checkpoint(run, checkpoint)  # after the flush: it names the row's id
     view = CheckpointView.of(checkpoint).model_dump(mode="json")
-    enqueue_webhooks(session, run, "run.checkpoint", {"checkpoint": view})
+    enqueue_webhooks(session, run, "run.checkpoint", {"checkpoint": view}, hooks=hooks)
     return checkpoint

@@ -87,7 +87,7 @@ def build_runtime_env(run: Run, *, token: str, settings: Settings) -> dict[str, 
             TOKEN_ENV: token,
             CALLBACK_URL_ENV: settings.resolved_callback_url,
             # A run's trackers, and only a run's: a profile's job logs to none.
-            **tracking_job_env(spec, settings=settings),
+            **tracking_job_env(spec, config=settings.tracking_config()),
         },
     )
 
@@ -129,6 +129,8 @@ class Dispatcher(TickLoop):
         self._schedule_rest_until = 0.0
         self._sqlite = session_factory.kw["bind"].dialect.name == "sqlite"
         self._ray_unavailable = RepeatedWarning(log)
+        # Every end of a run this dispatcher settles is told to its subscribers.
+        self.hooks = settings.webhook_config()
         super().__init__(interval_s=settings.dispatch_interval_s)
 
     def rest_s(self) -> float:
@@ -295,7 +297,9 @@ class Dispatcher(TickLoop):
             with self._locked(run_id) as (session, run):
                 if run is not None:
                     failure = Failure(FailureCode.RAY_REJECTED, f"Ray rejected the job: {exc}")
-                    lifecycle.settle(session, run, RunStatus.FAILED, failure=failure)
+                    lifecycle.settle(
+                        session, run, RunStatus.FAILED, failure=failure, hooks=self.hooks
+                    )
             return False
         if self.metrics is not None:
             self.metrics.ray_submit_duration.observe(time.perf_counter() - started)
@@ -359,6 +363,7 @@ class Dispatcher(TickLoop):
                 job_failure=job_failure,
                 submit_grace_over=bool(updated and utcnow() - updated > SUBMIT_GRACE),
                 preemption_grace_over=bool(asked and utcnow() - asked > grace),
+                hooks=self.hooks,
             )
         if verdict is RayVerdict.STOP_JOB:
             try_stop(self.jobs, seen.ray_submission_id or "")

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.services.adapter_sizes import Linear, adapter_parameters, linear_weights
-from app.services.model_files import checkpoint_parameters, safetensors_headers
+from app.services.rules.adapter_sizes import Linear, adapter_parameters, linear_weights
+from app.services.rules.model_files import checkpoint_parameters, safetensors_headers
 from app.services.rules.run_rules import CheckedRequest
 from contract.deepspeed_config import (
     global_batch_size,

@@ -35,7 +35,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.services.rules.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
-from app.storage.models import FILE_ID, File, Run, is_minted, new_id
+from app.storage.lookups import find_file
+from app.storage.models import File, Run, new_id
 from contract.datasets import FILE_FORMATS, Purpose, file_format
 from contract.statuses import TERMINAL_STATUSES
 from contract.storage import Storage, StorageError
@@ -186,17 +187,6 @@ def publish_upload(upload: ReceivedUpload, storage: Storage) -> None:
 def discard_upload(upload: ReceivedUpload) -> None:
     """Remove an upload whose row was not committed."""
     upload.partial.unlink(missing_ok=True)
-
-
-def find_file(
-    session: Session, *, file_id: str, owner_id: str, for_update: bool = False
-) -> File | None:
-    """The owner's file with this id; None if there is none, or it is another's. An id no
-    file can have is not looked up (app/storage/models.py `is_minted`)."""
-    if not is_minted(FILE_ID, file_id):
-        return None
-    upload = session.get(File, file_id, with_for_update=for_update)
-    return upload if upload is not None and upload.owner_id == owner_id else None
 
 
 def get_file(session: Session, *, file_id: str, owner_id: str, for_update: bool = False) -> File:

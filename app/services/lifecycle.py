@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from app.errors import Conflict, InvalidTransition
 from app.logs import redact
 from app.services import run_result
+from app.services.rules.webhook_rules import WebhookConfig
 from app.services.webhooks import enqueue_webhooks
 from app.storage.models import Event, Run, utcnow
 from contract.callbacks import EventType, FailureCode
@@ -94,8 +95,10 @@ def _move(
     failure: Failure | None = None,
     new_attempt: bool = False,
     only_from: RunStatus | None = None,
+    hooks: WebhookConfig | None = None,
 ) -> bool:
-    """The one writer of `run.status`; refuses what the table does not allow.
+    """The one writer of `run.status`; refuses what the table does not allow. `hooks`: the
+    service's webhook settings, which every end of a run needs (its subscribers are told).
 
     `only_from`: a compare-and-set, for a move two service replicas may race for (a claim):
     the row moves only if it is still `only_from` at this attempt, whatever this session
@@ -105,6 +108,7 @@ def _move(
         return True
     if not can_transition(current, new):
         raise InvalidTransition(f"run {run.id} is {current}; it cannot become {new}")
+    assert hooks is not None or not new.is_terminal(), "an end is told to its subscribers"
     if only_from is not None:
         swapped = session.execute(
             update(Run)
@@ -146,8 +150,9 @@ def _move(
         run.error_message = redact(failure.message)
     text = message or (failure.message if failure else "")
     record_event(session, run, type=EventType.STATUS, status=new, message=text)
-    if new.is_terminal():  # in this transaction: a change rolled back notifies nobody
-        enqueue_webhooks(session, run, f"run.{new.value}")
+    if hooks is not None and new.is_terminal():
+        # In this transaction: a change rolled back notifies nobody.
+        enqueue_webhooks(session, run, f"run.{new.value}", hooks=hooks)
     log.info("%s -> %s %s", current, new, text, extra={"run_id": run.id})
     return True
 
@@ -239,7 +244,7 @@ def attempts_remain(run: Run) -> bool:
 _LOST = "lost: "
 
 
-def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
+def requeue_or_fail(session: Session, run: Run, *, reason: str, hooks: WebhookConfig) -> None:
     """The attempt was lost under the run (the head restarted, a node died): a new attempt
     that resumes from the latest checkpoint, while fault_tolerance.max_resubmits allows."""
     if not attempts_remain(run):
@@ -250,6 +255,7 @@ def requeue_or_fail(session: Session, run: Run, *, reason: str) -> None:
             failure=Failure(
                 FailureCode.LOST, f"{reason}; no attempts remain (fault_tolerance.max_resubmits)"
             ),
+            hooks=hooks,
         )
         return
     if run.run_status == RunStatus.STARTING:
@@ -287,14 +293,15 @@ def settle(
     *,
     message: str = "",
     failure: Failure | None = None,
+    hooks: WebhookConfig,
 ) -> None:
     """The run ends: succeeded, failed or cancelled. A run already ended stays as it is."""
     assert outcome.is_terminal()
     if not run.run_status.is_terminal():
-        _move(session, run, outcome, message=message, failure=failure)
+        _move(session, run, outcome, message=message, failure=failure, hooks=hooks)
 
 
-def request_cancel(session: Session, run: Run) -> str | None:
+def request_cancel(session: Session, run: Run, *, hooks: WebhookConfig) -> str | None:
     """Queued → cancelled at once; live → cancelling, then cancelled once Ray confirms the
     stop (the reconciler watches). Repeating a cancel is harmless. Returns the Ray job the
     caller should stop once this is committed, if any."""
@@ -304,7 +311,7 @@ def request_cancel(session: Session, run: Run) -> str | None:
     if status.is_terminal():
         raise Conflict(f"run {run.id} is {status}; only a queued or live run can be cancelled")
     if status == RunStatus.QUEUED:
-        _move(session, run, RunStatus.CANCELLED, message="cancelled before it started")
+        _move(session, run, RunStatus.CANCELLED, message="cancelled before it started", hooks=hooks)
         return None
     _move(session, run, RunStatus.CANCELLING, message="cancel requested")
     return run.ray_submission_id
@@ -388,6 +395,7 @@ def apply_worker_status(
     *,
     message: str = "",
     failure: Failure | None = None,
+    hooks: WebhookConfig,
 ) -> None:
     """A status the attempt's worker posted."""
     current = run.run_status
@@ -434,9 +442,10 @@ def apply_worker_status(
             session,
             run,
             reason=f"{_LOST}the cluster failed under attempt {run.attempt} ({failure.message})",
+            hooks=hooks,
         )
         return
-    _move(session, run, status, message=message, failure=failure)
+    _move(session, run, status, message=message, failure=failure, hooks=hooks)
 
 
 def _unplaceable(session: Session, run: Run, message: str) -> Failure:
@@ -447,11 +456,11 @@ def _unplaceable(session: Session, run: Run, message: str) -> Failure:
     return Failure(FailureCode.UNPLACEABLE, message)
 
 
-def fail_unplaceable(session: Session, run: Run, *, message: str) -> None:
+def fail_unplaceable(session: Session, run: Run, *, message: str, hooks: WebhookConfig) -> None:
     """A queued run the cluster's nodes can no longer ever hold (a node left a cluster that
     does not autoscale): it fails now, as validation would refuse it, rather than waiting
     for room that will not come. A resume once nodes are back goes on from its checkpoint."""
-    settle(session, run, RunStatus.FAILED, failure=_unplaceable(session, run, message))
+    settle(session, run, RunStatus.FAILED, failure=_unplaceable(session, run, message), hooks=hooks)
 
 
 class RayVerdict(enum.Enum):
@@ -471,6 +480,7 @@ def apply_ray_state(
     job_failure: str = "",
     submit_grace_over: bool = False,
     preemption_grace_over: bool = False,
+    hooks: WebhookConfig,
 ) -> RayVerdict:
     """Settle what callbacks missed, from Ray's view of the run's job (`ray_status` is
     Ray's JobStatus, None when Ray has never heard of the job)."""
@@ -479,7 +489,9 @@ def apply_ray_state(
     if preempting(run) and ray_status == "SUCCEEDED" and trained_out:
         # It trained its last step (never preempted: a run there simply finishes) and
         # exported; its own "succeeded" was lost.
-        settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+        settle(
+            session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status", hooks=hooks
+        )
         return RayVerdict.NOTHING
     if preempting(run) and ray_status in (None, "FAILED", "STOPPED", "SUCCEEDED"):
         # The job ended while asked to stop; the worker's own word was lost, or it never
@@ -491,35 +503,48 @@ def apply_ray_state(
             # Never submitted (the service died before submitting), or not yet.
             return RayVerdict.RESUBMIT if submit_grace_over else RayVerdict.NOTHING
         if cancelling:
-            settle(session, run, RunStatus.CANCELLED, message="the Ray job is gone")
+            settle(session, run, RunStatus.CANCELLED, message="the Ray job is gone", hooks=hooks)
         else:
             requeue_or_fail(
                 session,
                 run,
                 reason=f"{_LOST}Ray no longer knows job {run.ray_submission_id} "
                 "(the head restarted?)",
+                hooks=hooks,
             )
     elif ray_status == "FAILED":
         if cancelling:
-            settle(session, run, RunStatus.CANCELLED, message="the Ray job ended")
+            settle(session, run, RunStatus.CANCELLED, message="the Ray job ended", hooks=hooks)
         else:
             settle(
-                session, run, RunStatus.FAILED, failure=Failure(FailureCode.JOB_FAILED, job_failure)
+                session,
+                run,
+                RunStatus.FAILED,
+                failure=Failure(FailureCode.JOB_FAILED, job_failure),
+                hooks=hooks,
             )
     elif ray_status == "STOPPED":
         if cancelling:
-            settle(session, run, RunStatus.CANCELLED, message="Ray stopped the job")
+            settle(session, run, RunStatus.CANCELLED, message="Ray stopped the job", hooks=hooks)
         else:
             failure = Failure(FailureCode.STOPPED, f"the Ray job was stopped: {ray_message}")
-            settle(session, run, RunStatus.FAILED, failure=failure)
+            settle(session, run, RunStatus.FAILED, failure=failure, hooks=hooks)
     elif ray_status == "SUCCEEDED" and cancelling and run.preempt_requested_at is not None:
         # Cancelled while a preemption was asked: the entry point exits 0 once the attempt
         # has saved its checkpoint and stopped, untrained to the end.
-        settle(session, run, RunStatus.CANCELLED, message="the attempt stopped at a checkpoint")
+        settle(
+            session,
+            run,
+            RunStatus.CANCELLED,
+            message="the attempt stopped at a checkpoint",
+            hooks=hooks,
+        )
     elif ray_status == "SUCCEEDED":
         # The entry point exits 0 only after training and export finished, or (handled
         # above) after a preempted attempt stopped.
-        settle(session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status")
+        settle(
+            session, run, RunStatus.SUCCEEDED, message="settled from Ray's job status", hooks=hooks
+        )
     elif cancelling:
         return RayVerdict.STOP_JOB
     elif preempting(run) and preemption_grace_over:

@@ -20,7 +20,6 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
@@ -39,8 +38,10 @@ from app.schemas.openai_shapes import (
     OpenAIHyperparameters,
 )
 from app.schemas.run_view import RunView, as_utc
-from app.services import files, runs
+from app.services import runs
 from app.services.placement import ClusterView
+from app.services.rules.run_rules import RequestPolicy
+from app.storage.lookups import find_file
 from app.storage.models import Checkpoint, Event, Metric, Run
 from contract.callbacks import EventType
 from contract.deepspeed_config import global_batch_size
@@ -92,7 +93,7 @@ def prepare_job(
     *,
     job: JobCreate,
     owner_id: str,
-    allowed_roots: Sequence[Path],
+    policy: RequestPolicy,
     cluster: ClusterView | None,
 ) -> runs.NewRun:
     """The run for an OpenAI job request, checked on a read session (`runs.prepare_run`);
@@ -103,7 +104,7 @@ def prepare_job(
             session,
             request=request,
             owner_id=owner_id,
-            allowed_roots=allowed_roots,
+            policy=policy,
             cluster=cluster,
         )
 
@@ -145,7 +146,7 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
             field_problem("integrations", "tuneyard has no integrations; leave integrations out")
         )
     method, hyper = _method_and_hyperparameters(job, problems)
-    upload = files.find_file(session, file_id=job.training_file, owner_id=owner_id)
+    upload = find_file(session, file_id=job.training_file, owner_id=owner_id)
     if upload is None:
         problems.append(field_problem("training_file", f"no uploaded file {job.training_file!r}"))
     groups = {k: dict(v) if isinstance(v, dict) else v for k, v in ext.items()}

@@ -131,7 +131,9 @@ def schedule(
                 continue
             doomed = session.get(Run, row.id, with_for_update=True)
             if doomed is not None and doomed.run_status == RunStatus.QUEUED:
-                lifecycle.fail_unplaceable(session, doomed, message=verdict.why)
+                lifecycle.fail_unplaceable(
+                    session, doomed, message=verdict.why, hooks=settings.webhook_config()
+                )
     if unplaceable:
         session.execute(
             update(Run),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +41,13 @@ from app.security import hash_secret
 from app.services import data_plan, estimates, lifecycle, queue
 from app.services.api_keys import find_api_key
 from app.services.placement import ClusterView
-from app.services.rules.run_rules import CheckedRequest, Problem, check_run_request, uploads_gone
+from app.services.rules.run_rules import (
+    CheckedRequest,
+    Problem,
+    RequestPolicy,
+    check_run_request,
+    uploads_gone,
+)
 from app.services.rules.tracking_rules import key_tracking_problems
 from app.storage.models import RUN_ID, ApiKey, Run, is_minted, new_id
 from contract.run_request import MetadataKey, MetadataValue, RunRequest
@@ -69,7 +74,7 @@ def prepare_run(
     *,
     request: RunRequest,
     owner_id: str,
-    allowed_roots: Sequence[Path],
+    policy: RequestPolicy,
     idempotency_key: str | None = None,
     cluster: ClusterView | None = None,
 ) -> NewRun:
@@ -83,9 +88,7 @@ def prepare_run(
     )
     checked = None
     if not repeat:
-        checked = check_run_request(
-            session, request, owner_id=owner_id, allowed_roots=allowed_roots
-        )
+        checked = check_run_request(session, request, owner_id=owner_id, policy=policy)
         if cluster is not None:
             checked.problems.extend(
                 cluster.problems(
@@ -174,7 +177,7 @@ def validate_run_request(
     *,
     body: Any,
     owner_id: str,
-    allowed_roots: Sequence[Path],
+    policy: RequestPolicy,
     cluster: ClusterView | None = None,
 ) -> RequestValidation:
     """Every check a create makes (`prepare_run`, `store_run`), with nothing stored, plus
@@ -185,7 +188,7 @@ def validate_run_request(
     except PydanticValidationError as exc:
         return _refused(problems_from_pydantic(exc.errors()))
     request = asked.run_request()
-    checked = check_run_request(session, request, owner_id=owner_id, allowed_roots=allowed_roots)
+    checked = check_run_request(session, request, owner_id=owner_id, policy=policy)
     if cluster is not None:
         checked.problems.extend(
             cluster.problems(

@@ -22,15 +22,13 @@ import hmac
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from app.schemas.run_view import RunView
-from app.services.rules.webhook_addresses import AddressPolicy
-from app.settings import Settings
+from app.services.rules.webhook_rules import WebhookConfig
 from app.storage.models import Run, WebhookDelivery, new_id, utcnow
 
 SIGNATURE_HEADER = "Tuneyard-Signature"
@@ -41,56 +39,12 @@ DEFAULT_TOLERANCE_S = 300
 
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 
-# Where a session finds the service's webhook settings (see `configure_sessions`).
-_CONFIG_KEY = "tuneyard.webhooks"
 
-
-@dataclass(frozen=True, slots=True)
-class WebhookConfig:
-    """What enqueueing needs from the service's settings."""
-
-    signed: bool  # a secret is set: runs may ask for webhooks
-    urls: tuple[str, ...] = ()  # service-wide subscribers
-    events: frozenset[str] = frozenset()  # what the service-wide subscribers get
-    # Where runs' webhooks may go (TUNEYARD_WEBHOOK_ALLOWED_NETWORKS beside public addresses).
-    addresses: AddressPolicy = field(default_factory=AddressPolicy)
-
-    @classmethod
-    def of(cls, settings: Settings) -> WebhookConfig:
-        return cls(
-            signed=settings.webhook_secret is not None,
-            urls=tuple(settings.webhook_urls),
-            events=frozenset(settings.webhook_events),
-            addresses=AddressPolicy.parse(settings.webhook_allowed_networks),
-        )
-
-
-_UNSIGNED = WebhookConfig(signed=False)
-
-
-def configure_sessions(settings: Settings, *factories: sessionmaker[Session]) -> None:
-    """Every session of `factories` carries the webhook settings: a status change deep in the
-    lifecycle (`_move`), and the request checks (/v1/runs/validate's in a read session),
-    have a session, not the service's settings, at hand."""
-    config = WebhookConfig.of(settings)
-    for factory in factories:
-        factory.configure(info={**factory.kw.get("info", {}), _CONFIG_KEY: config})
-
-
-def session_config(session: Session) -> WebhookConfig:
-    """The webhook settings of the service that made the session; a session made elsewhere
-    (a script, a test's own factory) has no secret and no service-wide subscribers."""
-    # getattr: the lifecycle's unit tests hand it a stand-in for a session.
-    config = getattr(session, "info", {}).get(_CONFIG_KEY)
-    return config if isinstance(config, WebhookConfig) else _UNSIGNED
-
-
-def subscribers(session: Session, run: Run, event: str) -> list[tuple[str, bool]]:
+def subscribers(config: WebhookConfig, run: Run, event: str) -> list[tuple[str, bool]]:
     """The URLs that asked for `event` of `run`, each with whether it is service-wide: its
     own webhooks, then the service's, each URL once of each kind. A URL of both kinds gets
     both deliveries: each is signed with another secret."""
     own = [h["url"] for h in run.spec.get("webhooks") or [] if event in h.get("events", ())]
-    config = session_config(session)
     service_wide = list(config.urls) if event in config.events else []
     return [(url, False) for url in dict.fromkeys(own)] + [
         (url, True) for url in dict.fromkeys(service_wide)
@@ -98,11 +52,17 @@ def subscribers(session: Session, run: Run, event: str) -> list[tuple[str, bool]
 
 
 def enqueue_webhooks(
-    session: Session, run: Run, event_type: str, data: Mapping[str, Any] | None = None
+    session: Session,
+    run: Run,
+    event_type: str,
+    data: Mapping[str, Any] | None = None,
+    *,
+    hooks: WebhookConfig,
 ) -> list[WebhookDelivery]:
     """One pending delivery per subscriber of `event_type`, in the caller's transaction.
-    `data` joins the run's public view in the payload's `data`."""
-    urls = subscribers(session, run, event_type)
+    `data` joins the run's public view in the payload's `data`; `hooks`: the service's
+    webhook settings (its subscribers)."""
+    urls = subscribers(hooks, run, event_type)
     if not urls:
         return []
     # The view reads columns a flush fills in (a new row's created_at).

@@ -1,6 +1,6 @@
 """What the service checks about chat and preference data before a run: uploads with
 purpose chat or preference (POST /v1/files, on a real database and storage folder), and the
-chat template a local model folder brings (app/services/model_files.chat_template_of)."""
+chat template a local model folder brings (app/services/rules/model_files.chat_template_of)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.services.model_files import chat_template_of
+from app.services.rules.model_files import chat_template_of
 from app.settings import Settings
 from app.storage.models import File
 

@@ -31,7 +31,7 @@ def _prepared(
             session,
             request=RunRequest.model_validate(body),
             owner_id=owner.id,
-            allowed_roots=settings.resolved_allowed_roots,
+            policy=settings.request_policy(),
         )
     return new, owner.id
 

@@ -278,7 +278,7 @@ def test_a_model_with_another_chat_template_is_not_answered_from_the_cache(
     session_factory: sessionmaker[Session],
 ) -> None:
     """transformers 5 reads a tokenizer's chat template from
-    `additional_chat_templates/default.jinja` (app/services/model_files.py says so too), but
+    `additional_chat_templates/default.jinja` (app/services/rules/model_files.py says so too), but
     the cache key hashes only a fixed list of files (`_TOKENIZER_FILES`; neither that folder
     nor tokenizer.model, vocab.txt or added_tokens.json). Two folders that differ there
     share an entry: whichever key validates first fixes the other's seq_length and steps,

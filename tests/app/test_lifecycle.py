@@ -14,9 +14,14 @@ import pytest
 from app.errors import Conflict, InvalidTransition
 from app.services import lifecycle
 from app.services.lifecycle import Failure, RayVerdict, can_transition
+from app.services.rules.webhook_rules import WebhookConfig
 from app.storage.models import Run
 from contract.run_request import RunRequest
 from contract.statuses import TERMINAL_STATUSES, RunStatus
+
+# The webhook settings the lifecycle tells a run's end by: a service without service-wide
+# subscribers (a run's own webhooks are its spec's).
+HOOKS = WebhookConfig()
 
 EARLIER = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -97,7 +102,7 @@ class TestNamedTransitions:
         run = _run(RunStatus.STARTING)
         lifecycle.start(events, run)  # type: ignore[arg-type]
         assert run.started_at is not None
-        lifecycle.settle(events, run, RunStatus.FAILED, failure=Failure("x", "boom"))  # type: ignore[arg-type]
+        lifecycle.settle(events, run, RunStatus.FAILED, failure=Failure("x", "boom"), hooks=HOOKS)  # type: ignore[arg-type]
         assert run.finished_at is not None
         assert run.callback_token_hash is None
         assert (run.error_code, run.error_message) == ("x", "boom")
@@ -105,7 +110,7 @@ class TestNamedTransitions:
 
     def test_settling_an_ended_run_changes_nothing(self, events: _Events) -> None:
         run = _run(RunStatus.CANCELLED)
-        lifecycle.settle(events, run, RunStatus.FAILED, failure=Failure("x", "late"))  # type: ignore[arg-type]
+        lifecycle.settle(events, run, RunStatus.FAILED, failure=Failure("x", "late"), hooks=HOOKS)  # type: ignore[arg-type]
         assert run.status == RunStatus.CANCELLED
         assert run.error_code is None
         assert events.added == []
@@ -128,7 +133,7 @@ class TestNamedTransitions:
     ) -> None:
         run = _run(RunStatus.RUNNING, max_resubmits=1)
         assert lifecycle.attempts_remain(run)
-        lifecycle.requeue_or_fail(events, run, reason="lost")  # type: ignore[arg-type]
+        lifecycle.requeue_or_fail(events, run, reason="lost", hooks=HOOKS)  # type: ignore[arg-type]
         assert run.status == RunStatus.QUEUED
         assert (run.attempt, run.resubmits) == (2, 1)
         assert run.queued_at > EARLIER  # to the back of the queue
@@ -137,14 +142,14 @@ class TestNamedTransitions:
 
         run.status = RunStatus.RUNNING
         assert not lifecycle.attempts_remain(run)
-        lifecycle.requeue_or_fail(events, run, reason="lost again")  # type: ignore[arg-type]
+        lifecycle.requeue_or_fail(events, run, reason="lost again", hooks=HOOKS)  # type: ignore[arg-type]
         assert run.status == RunStatus.FAILED
         assert run.error_code == "lost"
         assert "fault_tolerance.max_resubmits" in (run.error_message or "")
 
     def test_a_lost_starting_attempt_counts_as_having_run(self, events: _Events) -> None:
         run = _run(RunStatus.STARTING)
-        lifecycle.requeue_or_fail(events, run, reason="lost")  # type: ignore[arg-type]
+        lifecycle.requeue_or_fail(events, run, reason="lost", hooks=HOOKS)  # type: ignore[arg-type]
         assert events.statuses == ["running", "queued"]
         assert run.attempt == 2
 
@@ -169,26 +174,26 @@ class TestNamedTransitions:
         self, events: _Events
     ) -> None:
         queued = _run(RunStatus.QUEUED)
-        assert lifecycle.request_cancel(events, queued) is None  # type: ignore[arg-type]
+        assert lifecycle.request_cancel(events, queued, hooks=HOOKS) is None  # type: ignore[arg-type]
         assert queued.status == RunStatus.CANCELLED
         live = _run(RunStatus.RUNNING)
-        assert lifecycle.request_cancel(events, live) == "run_x-1"  # type: ignore[arg-type]
+        assert lifecycle.request_cancel(events, live, hooks=HOOKS) == "run_x-1"  # type: ignore[arg-type]
         assert live.status == RunStatus.CANCELLING
-        assert lifecycle.request_cancel(events, live) is None  # type: ignore[arg-type]
+        assert lifecycle.request_cancel(events, live, hooks=HOOKS) is None  # type: ignore[arg-type]
         with pytest.raises(Conflict):
-            lifecycle.request_cancel(events, _run(RunStatus.SUCCEEDED))  # type: ignore[arg-type]
+            lifecycle.request_cancel(events, _run(RunStatus.SUCCEEDED), hooks=HOOKS)  # type: ignore[arg-type]
 
 
 class TestWorkerReports:
     def test_a_late_running_does_not_undo_a_cancel(self, events: _Events) -> None:
         run = _run(RunStatus.CANCELLING)
-        lifecycle.apply_worker_status(events, run, RunStatus.RUNNING)  # type: ignore[arg-type]
+        lifecycle.apply_worker_status(events, run, RunStatus.RUNNING, hooks=HOOKS)  # type: ignore[arg-type]
         assert run.status == RunStatus.CANCELLING
 
     def test_a_worker_failing_while_cancelling_waits_for_ray(self, events: _Events) -> None:
         run = _run(RunStatus.CANCELLING)
         lifecycle.apply_worker_status(  # type: ignore[arg-type]
-            events, run, RunStatus.FAILED, failure=Failure("training_error", "killed")
+            events, run, RunStatus.FAILED, failure=Failure("training_error", "killed"), hooks=HOOKS
         )
         assert run.status == RunStatus.CANCELLING
         assert events.added[-1].type == "message"
@@ -196,14 +201,18 @@ class TestWorkerReports:
     def test_a_cluster_error_is_a_lost_attempt(self, events: _Events) -> None:
         run = _run(RunStatus.RUNNING)
         lifecycle.apply_worker_status(  # type: ignore[arg-type]
-            events, run, RunStatus.FAILED, failure=Failure("cluster_error", "node died")
+            events,
+            run,
+            RunStatus.FAILED,
+            failure=Failure("cluster_error", "node died"),
+            hooks=HOOKS,
         )
         assert (run.status, run.attempt) == (RunStatus.QUEUED, 2)
 
     def test_a_training_error_fails_the_run(self, events: _Events) -> None:
         run = _run(RunStatus.RUNNING)
         lifecycle.apply_worker_status(  # type: ignore[arg-type]
-            events, run, RunStatus.FAILED, failure=Failure("training_error", "NaN")
+            events, run, RunStatus.FAILED, failure=Failure("training_error", "NaN"), hooks=HOOKS
         )
         assert (run.status, run.error_code) == (RunStatus.FAILED, "training_error")
 
@@ -238,7 +247,7 @@ class TestPreemption:
         run.step = 7
         lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
         lifecycle.apply_worker_status(  # type: ignore[arg-type]
-            events, run, RunStatus.FAILED, failure=Failure("cluster_error", "stopped")
+            events, run, RunStatus.FAILED, failure=Failure("cluster_error", "stopped"), hooks=HOOKS
         )
         assert (run.status, run.attempt, run.resubmits) == (RunStatus.QUEUED, 2, 0)
         assert run.queue_reason == "preempted (resumes from step 7): needed"
@@ -247,7 +256,7 @@ class TestPreemption:
     def test_a_late_running_keeps_it_preempting_and_marks_it_started(self, events: _Events) -> None:
         run = _run(RunStatus.STARTING)
         lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
-        lifecycle.apply_worker_status(events, run, RunStatus.RUNNING)  # type: ignore[arg-type]
+        lifecycle.apply_worker_status(events, run, RunStatus.RUNNING, hooks=HOOKS)  # type: ignore[arg-type]
         assert run.status == RunStatus.PREEMPTING
         assert run.started_at is not None and run.attempt_started_at is not None
 
@@ -259,11 +268,11 @@ class TestPreemption:
             run = _run(RunStatus.RUNNING)
             lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
             failure = Failure("training_error", "NaN") if status == RunStatus.FAILED else None
-            lifecycle.apply_worker_status(events, run, status, failure=failure)  # type: ignore[arg-type]
+            lifecycle.apply_worker_status(events, run, status, failure=failure, hooks=HOOKS)  # type: ignore[arg-type]
             assert run.status == then
         run = _run(RunStatus.RUNNING)
         lifecycle.request_preemption(events, run, reason="needed")  # type: ignore[arg-type]
-        assert lifecycle.request_cancel(events, run) == "run_x-1"  # type: ignore[arg-type]
+        assert lifecycle.request_cancel(events, run, hooks=HOOKS) == "run_x-1"  # type: ignore[arg-type]
         assert run.status == RunStatus.CANCELLING
 
 
@@ -329,15 +338,15 @@ class TestRayReports:
         verdict: RayVerdict,
     ) -> None:
         run = _run(status)
-        got = lifecycle.apply_ray_state(events, run, ray_status, job_failure="exit 1")  # type: ignore[arg-type]
+        got = lifecycle.apply_ray_state(events, run, ray_status, job_failure="exit 1", hooks=HOOKS)  # type: ignore[arg-type]
         assert (run.status, got) == (expected, verdict)
 
     def test_a_starting_run_ray_never_heard_of_is_resubmitted_after_the_grace(
         self, events: _Events
     ) -> None:
         run = _run(RunStatus.STARTING)
-        assert lifecycle.apply_ray_state(events, run, None) is RayVerdict.NOTHING  # type: ignore[arg-type]
-        verdict = lifecycle.apply_ray_state(events, run, None, submit_grace_over=True)  # type: ignore[arg-type]
+        assert lifecycle.apply_ray_state(events, run, None, hooks=HOOKS) is RayVerdict.NOTHING  # type: ignore[arg-type]
+        verdict = lifecycle.apply_ray_state(events, run, None, submit_grace_over=True, hooks=HOOKS)  # type: ignore[arg-type]
         assert verdict is RayVerdict.RESUBMIT
         assert run.status == RunStatus.STARTING
         assert run.queued_at == EARLIER
@@ -390,6 +399,7 @@ class TestEvents:
             run,
             RunStatus.FAILED,
             failure=Failure("job_failed", f"postgresql://u:pw-1234567@db/x said no to {token}"),
+            hooks=HOOKS,
         )
         redacted = "postgresql://***@db/x said no to [redacted]"
         assert run.error_message == redacted

@@ -28,6 +28,7 @@ from app.ports import free_port
 from app.security import hash_secret
 from app.services import lifecycle
 from app.services.lifecycle import Failure
+from app.services.rules.webhook_rules import WebhookConfig
 from app.services.webhook_delivery import WebhookDeliverer, retry_delay_s
 from app.services.webhooks import sign, verify
 from app.settings import Settings
@@ -39,6 +40,10 @@ from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import post_status, run_location, worker_headers
 from tests.conftest import make_api_key
 from tests.factories import run_request
+
+# The webhook settings the lifecycle tells a run's end by: a service without service-wide
+# subscribers (a run's own webhooks are its spec's).
+HOOKS = WebhookConfig()
 
 SECRET = "whsec-test-0123456789abcdef"
 TERMINAL = ["run.succeeded", "run.failed", "run.cancelled"]
@@ -415,7 +420,9 @@ class TestQueue:
         with session_factory() as session:
             run = session.get(Run, run_id)
             assert run is not None
-            lifecycle.settle(session, run, RunStatus.FAILED, failure=Failure("x", "boom"))
+            lifecycle.settle(
+                session, run, RunStatus.FAILED, failure=Failure("x", "boom"), hooks=HOOKS
+            )
             session.flush()
             assert session.scalars(select(WebhookDelivery.event)).all() == ["run.failed"]
             session.rollback()
@@ -424,7 +431,9 @@ class TestQueue:
         with transaction(session_factory) as session:
             run = session.get(Run, run_id)
             assert run is not None
-            lifecycle.settle(session, run, RunStatus.FAILED, failure=Failure("x", "boom"))
+            lifecycle.settle(
+                session, run, RunStatus.FAILED, failure=Failure("x", "boom"), hooks=HOOKS
+            )
         assert queued() == ["run.failed"]
 
     def test_two_deliverers_on_one_database_send_each_delivery_once(

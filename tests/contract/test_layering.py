@@ -63,3 +63,52 @@ def test_the_architecture_page_names_only_what_exists() -> None:
     for module, name in re.findall(r"`(lifecycle)\.(\w+)`", page):
         source = (ROOT / "app" / "services" / f"{module}.py").read_text()
         assert re.search(rf"^def {name}\b", source, re.M), name
+
+
+def _folder(module: str) -> str:
+    """The service's folder a module belongs to (`app.services.rules` its own), or the
+    module itself for one at the top of `app`."""
+    parts = module.split(".")
+    if parts[:3] == ["app", "services", "rules"]:
+        return "app.services.rules"
+    return ".".join(parts[:2])
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    """Which of the service's folders imports which, wherever in a module the import is."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        source = _folder(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] == "app" and (target := _folder(module)) != source:
+                    graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def test_the_services_folders_import_each_other_one_way() -> None:
+    """No cycle between folders (routes over services over the cluster and storage; the
+    request rules under the services, the settings over the rules): a folder that imports
+    one that imports it back is one tangle, whatever the folders say."""
+    graph = _folder_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for after in graph.get(todo.pop(), set()) - seen:
+                if after == goal:
+                    return True
+                seen.add(after)
+                todo.append(after)
+        return False
+
+    assert sorted((a, b) for a, targets in graph.items() for b in targets if reaches(b, a)) == []
+    # The layers below the services stay below them.
+    for low in ("app.storage", "app.cluster", "app.services.rules"):
+        assert not graph.get(low, set()) & {"app.services", "app.api", "app.main"}, low

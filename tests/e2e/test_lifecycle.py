@@ -17,6 +17,7 @@ from ray.job_submission import JobSubmissionClient
 
 from app.cli.tiny_assets import write_jsonl_dataset
 from app.services.api_keys import find_api_key
+from app.services.rules.run_rules import RequestPolicy
 from app.services.runs import prepare_run, store_run
 from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.models import Run, utcnow
@@ -120,7 +121,7 @@ def test_a_crash_between_commit_and_submit_leaves_exactly_one_ray_job(
             session,
             request=request,
             owner_id=owner.id,
-            allowed_roots=[tiny_model_dir.parent, service.data_dir],
+            policy=RequestPolicy(roots=[tiny_model_dir.parent, service.data_dir]),
         )
         run, _ = store_run(session, new)
         run.status = "starting"

@@ -18,11 +18,31 @@ under storage/<run id>/, where Ray Train (RunConfig(name=run id)) and the export
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
-from app.settings import ServiceFolder, SourceRoots
 from contract.storage import Storage
+
+# The service's own folders, by what they hold: a refusal names which (below).
+ServiceFolder = Literal["uploads", "storage", "state"]
+
+
+class SourceRoots(list[Path]):
+    """The folders a run may read a local model or dataset from (the list itself), and the
+    service's own folders it may never read from, whatever the list says (`refused`, the
+    most specific first): its uploads and the rest of its storage (every run's checkpoints
+    and exports, profiles), each an API key's own and reached through a file or run id that
+    only its owner can use, and its state. A list, so that callers which only know the
+    allowed roots keep working. The rules below apply it; Settings.resolved_allowed_roots
+    makes it."""
+
+    def __init__(
+        self, allowed: Iterable[Path], *, refused: Mapping[Path, ServiceFolder] | None = None
+    ) -> None:
+        super().__init__(allowed)
+        self.refused: dict[Path, ServiceFolder] = dict(refused or {})
+
 
 # A local folder source is walked to check every file in it; one bigger than this is
 # refused rather than walked for minutes inside a request.

@@ -18,18 +18,22 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.errors import field_problem
-from app.services import files
-from app.services.adapter_sizes import adapter_parameters, linear_weights
-from app.services.model_files import (
+from app.services.rules.adapter_sizes import adapter_parameters, linear_weights
+from app.services.rules.evaluation_rules import evaluation_problems
+from app.services.rules.file_checks import check_file, checks_for
+from app.services.rules.model_files import (
     chat_template_of,
     safetensors_headers,
     trainable_model_types,
 )
-from app.services.rules.evaluation_rules import evaluation_problems
-from app.services.rules.file_checks import check_file, checks_for
 from app.services.rules.path_rules import allowed_local_path
-from app.services.rules.tracking_rules import key_tracking_problems, tracking_problems
-from app.services.rules.webhook_rules import webhook_problems
+from app.services.rules.tracking_rules import (
+    TrackingConfig,
+    key_tracking_problems,
+    tracking_problems,
+)
+from app.services.rules.webhook_rules import WebhookConfig, webhook_problems
+from app.storage.lookups import find_file
 from app.storage.models import RUN_ID, Checkpoint, File, Run
 from contract.datasets import (
     FILE_FORMATS,
@@ -90,19 +94,28 @@ class CheckedRequest:
         return spec.model_copy(update={"training": training})
 
 
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    """What a request's checks need of the service's settings, handed to them
+    (`Settings.request_policy`). `roots`: where local sources may be; a `SourceRoots` also
+    names the folders inside them that are refused (the service's own: path_rules.py)."""
+
+    roots: Sequence[Path]
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
 def check_run_request(
-    session: Session, request: RunRequest, *, owner_id: str, allowed_roots: Sequence[Path]
+    session: Session, request: RunRequest, *, owner_id: str, policy: RequestPolicy
 ) -> CheckedRequest:
-    """`allowed_roots`: where local sources may be; a `SourceRoots` also names the folders
-    inside them that are refused (the service's own: app/services/rules/path_rules.py)."""
     checked = CheckedRequest(problems=cross_field_problems(request), spec=request.worker_fields())
     if is_run_id(request.model):
         _check_model_from_run(session, request, checked, owner_id=owner_id)
     else:
-        _check_model(request, checked, allowed_roots)
-    _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=allowed_roots)
-    checked.problems.extend(webhook_problems(session, request))
-    checked.problems.extend(tracking_problems(session, request))
+        _check_model(request, checked, policy.roots)
+    _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=policy.roots)
+    checked.problems.extend(webhook_problems(request, policy.webhooks))
+    checked.problems.extend(tracking_problems(request, policy.tracking))
     checked.problems.extend(
         key_tracking_problems(session, request, owner_id=owner_id, spec=checked.spec)
     )
@@ -462,7 +475,7 @@ def _owned_upload(
     session: Session, file_id: str, *, owner_id: str, lock: bool = False
 ) -> File | None:
     """The caller's uploaded file with this id; None if there is none, or it is another's."""
-    return files.find_file(session, file_id=file_id, owner_id=owner_id, for_update=lock)
+    return find_file(session, file_id=file_id, owner_id=owner_id, for_update=lock)
 
 
 def _no_upload(name: str, file_id: str) -> Problem:

@@ -17,33 +17,32 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from app.errors import field_problem
-from app.settings import Settings
 from app.storage.models import ApiKey
 from contract.job_env import MLFLOW_TRACKING_URI_ENV, TRACKER_VARIABLES
 from contract.run_request import MlflowTracking, RunDefinition, RunSpec, WandbTracking
 
-# Where a session finds the service's settings (see `configure_sessions`).
-_SETTINGS_KEY = "tuneyard.tracking"
 WANDB_API_KEY = "WANDB_API_KEY"
 
 
-def configure_sessions(settings: Settings, *factories: sessionmaker[Session]) -> None:
-    """Every session of `factories` carries the service's settings, for `tracking_problems`:
-    request checks get a session, not the settings (and /v1/runs/validate a read session)."""
-    for factory in factories:
-        factory.configure(info={**factory.kw.get("info", {}), _SETTINGS_KEY: settings})
+@dataclass(frozen=True, slots=True)
+class TrackingConfig:
+    """What tracking needs of the service's settings (`Settings.tracking_config`): its MLflow
+    server, and the variables every job gets (`TUNEYARD_JOB_ENV`), which may hold a W&B key.
+    The default is a service with neither."""
+
+    mlflow_tracking_uri: str | None = None
+    job_env: Mapping[str, str] = field(default_factory=dict)
 
 
-def tracking_problems(session: Session, request: RunDefinition) -> list[dict[str, str]]:
-    """A session made elsewhere (a script, a test's own factory) has no MLflow server."""
-    settings = session.info.get(_SETTINGS_KEY)
-    uri = settings.mlflow_tracking_uri if isinstance(settings, Settings) else None
-    job_env = settings.resolved_job_env() if isinstance(settings, Settings) else {}
+def tracking_problems(request: RunDefinition, config: TrackingConfig) -> list[dict[str, str]]:
+    """What the request's trackers need that this service lacks, naming each field."""
+    uri, job_env = config.mlflow_tracking_uri, config.job_env
     problems = []
     if request.tracking.mlflow is not None:
         if not _installed("mlflow"):
@@ -136,7 +135,7 @@ _DEFAULT_NAMES = {
 
 
 def tracking_job_env(
-    spec: RunSpec, *, settings: Settings, environ: Mapping[str, str] | None = None
+    spec: RunSpec, *, config: TrackingConfig, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """What an attempt's trackers need in its job's environment: the MLflow server, and the
     service's own values (from `environ`, default this process's) of the credential
@@ -148,8 +147,8 @@ def tracking_job_env(
     for tracker, names in TRACKER_VARIABLES.items():
         if asked[tracker] is not None:
             env.update({name: environ[name] for name in names if environ.get(name)})
-    if spec.tracking.mlflow is not None and settings.mlflow_tracking_uri:
-        env[MLFLOW_TRACKING_URI_ENV] = settings.mlflow_tracking_uri
+    if spec.tracking.mlflow is not None and config.mlflow_tracking_uri:
+        env[MLFLOW_TRACKING_URI_ENV] = config.mlflow_tracking_uri
     return env
 
 

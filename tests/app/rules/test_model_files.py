@@ -1,4 +1,4 @@
-"""app/services/model_files.py: what validation reads from files instead of importing torch."""
+"""app/services/rules/model_files.py: what validation reads from files, not importing torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.services.model_files import checkpoint_parameters, trainable_model_types
+from app.services.rules.model_files import checkpoint_parameters, trainable_model_types
 
 
 @pytest.mark.parametrize(
