@@ -29,6 +29,7 @@ from app.services.webhook_delivery import WebhookDeliverer
 from app.settings import Settings
 from app.storage.db import make_engine, make_read_engine, make_session_factory
 from app.storage.migrate import prepare_database
+from app.storage.request_access import RequestDatabase
 
 log = logging.getLogger("tuneyard")
 
@@ -76,8 +77,8 @@ def create_app(
 
             dispatcher = state.dispatcher = Dispatcher(
                 settings=settings,
-                session_factory=state.session_factory,
-                read_session_factory=state.read_session_factory,
+                session_factory=state.database.session_factory,
+                read_session_factory=state.database.read_session_factory,
                 jobs=jobs,
                 revive_ray=revive_local_head if head is not None else None,
                 metrics=state.metrics,
@@ -90,7 +91,7 @@ def create_app(
             reaper.start()
             if settings.webhook_secret is not None:  # without one, no run has webhooks
                 deliverer = WebhookDeliverer(
-                    settings=settings, session_factory=state.session_factory
+                    settings=settings, session_factory=state.database.session_factory
                 )
                 deliverer.start()
         # What start-up made (about 130k objects: FastAPI, SQLAlchemy, pydantic) lives as long
@@ -131,8 +132,7 @@ def create_app(
     read_session_factory = make_session_factory(read_engine)
     state = app.state.tuneyard = AppState(
         settings=settings,
-        session_factory=make_session_factory(engine),
-        read_session_factory=read_session_factory,
+        database=RequestDatabase(make_session_factory(engine), read_session_factory),
         metrics=ServiceMetrics(read_session_factory),
     )
     install_error_handlers(app)

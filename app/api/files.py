@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -25,7 +24,7 @@ from app.api.deps import (
     CurrentPrincipal,
     SessionDep,
     SettingsDep,
-    app_state,
+    run_in_read_session,
     run_in_write_session,
 )
 from app.api.openai_compat import speaks_openai
@@ -115,16 +114,17 @@ async def upload_file(
             rejected_field=rejected_field,
         )
 
-    state = app_state(request)
     storage_dir = settings.uploads_dir
-    await _admitted(
+    # Files first, the database only to read: a blocking read.
+    await run_in_read_session(
         request,
-        lambda: files.sweep_partials_now_and_then(
-            state.read_session_factory,
+        lambda session: files.sweep_partials_now_and_then(
+            session,
             storage_dir=storage_dir,
             storage=settings.storage,
             uploads_location=settings.uploads_location,
         ),
+        blocking=True,
     )
     received = await anyio.to_thread.run_sync(
         lambda: files.receive_upload(
@@ -157,17 +157,6 @@ async def upload_file(
 def _view(request: Request, row: File) -> FileView | OpenAIFile:
     """tuneyard's view of a file, or OpenAI's for its clients (app/api/openai_compat.py)."""
     return OpenAIFile.of(row) if speaks_openai(request) else FileView.of(row)
-
-
-async def _admitted(request: Request, work: Callable[[], T]) -> T:
-    """`work`, which uses a session, on a worker thread under an admission slot, as the
-    sessions of `SessionDep` are (see deps.Admission)."""
-    admission = app_state(request).admission
-    async with admission.sessions.slot(request):
-        # Shielded: the slot must not be given back before the thread's connection is.
-        with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(work, limiter=admission.session_threads)
-    return result
 
 
 @router.get(

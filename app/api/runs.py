@@ -36,7 +36,6 @@ from app.api.deps import (
     JobsDep,
     Principal,
     ProfileSlotsDep,
-    ReadSessionFactoryDep,
     SessionDep,
     SettingsDep,
     app_state,
@@ -529,13 +528,17 @@ async def get_logs(
 )
 def stream_events(
     run_id: RunId,
+    request: Request,
     session: SessionDep,
     principal: CurrentPrincipal,
-    factory: ReadSessionFactoryDep,
     last_event_id: Annotated[
         str | None, Header(description="The `id` of the last event received, to resume after it")
     ] = None,
 ) -> EventSourceResponse:
     runs.get_run(session, run_id=run_id, owner_id=principal.id)
     cursor = run_stream.StreamCursor.parse(last_event_id)
-    return EventSourceResponse(run_stream.stream_run(factory, run_id, cursor), ping=15)
+    # Each poll a read of its own under the request's admission, not a thread outside it.
+    stream = run_stream.stream_run(
+        lambda read: run_in_read_session(request, read, blocking=True), run_id, cursor
+    )
+    return EventSourceResponse(stream, ping=15)

@@ -31,7 +31,7 @@ from pathlib import Path, PurePath
 from typing import BinaryIO, Literal, cast
 
 from sqlalchemy import and_, or_, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed, field_problem
 from app.services.rules.file_checks import FINE_TUNE, RecordChecks, check_file, detect_purpose
@@ -260,7 +260,7 @@ _last_sweep: dict[Path, float] = {}
 
 
 def sweep_partials_now_and_then(
-    session_factory: sessionmaker[Session],
+    session: Session,
     *,
     storage_dir: Path,
     storage: Storage,
@@ -274,12 +274,12 @@ def sweep_partials_now_and_then(
         return
     _last_sweep[storage_dir] = now
     sweep_partials(
-        session_factory, storage_dir=storage_dir, storage=storage, uploads_location=uploads_location
+        session, storage_dir=storage_dir, storage=storage, uploads_location=uploads_location
     )
 
 
 def sweep_partials(
-    session_factory: sessionmaker[Session],
+    session: Session,
     *,
     storage_dir: Path,
     storage: Storage,
@@ -297,8 +297,7 @@ def sweep_partials(
                 continue
             file_id = partial.name.split(".", 1)[0]
             name = partial.name.removesuffix(PARTIAL_SUFFIX)
-            with session_factory() as session:
-                recorded = session.get(File, file_id) is not None
+            recorded = session.get(File, file_id) is not None
             if recorded:
                 storage.move_in(partial, f"{uploads_location}/{name}")
                 log.info("published %s, whose upload stopped after its commit", name)

@@ -7,13 +7,12 @@ Last-Event-ID continues exactly where it stopped and loses nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 from sse_starlette import ServerSentEvent
 
 from app.errors import ValidationFailed, field_problem
@@ -48,39 +47,42 @@ class StreamCursor:
         return f"{self.event_id}:{self.metric_id}"
 
 
-def _read(
-    factory: sessionmaker[Session], run_id: str, cursor: StreamCursor
-) -> tuple[list[Event], list[Metric], bool]:
-    with factory() as session:
-        # Status first: on PostgreSQL each query sees the latest commit, so reading it last
-        # could see a run that finished after the events query, and end without its event.
-        run = session.get(Run, run_id)
-        terminal = run is None or RunStatus(run.status).is_terminal()
-        events = list(
-            session.scalars(
-                select(Event)
-                .where(Event.run_id == run_id, Event.id > cursor.event_id)
-                .order_by(Event.id)
-                .limit(BATCH)
-            )
+# How the stream reads: a read session under the request's admission (app/api/deps.py
+# `run_in_read_session`), awaited once per poll.
+Batch = tuple[list[Event], list[Metric], bool]
+Reader = Callable[[Callable[[Session], Batch]], Awaitable[Batch]]
+
+
+def _read(session: Session, run_id: str, cursor: StreamCursor) -> Batch:
+    # Status first: on PostgreSQL each query sees the latest commit, so reading it last
+    # could see a run that finished after the events query, and end without its event.
+    run = session.get(Run, run_id)
+    terminal = run is None or RunStatus(run.status).is_terminal()
+    events = list(
+        session.scalars(
+            select(Event)
+            .where(Event.run_id == run_id, Event.id > cursor.event_id)
+            .order_by(Event.id)
+            .limit(BATCH)
         )
-        metrics = list(
-            session.scalars(
-                select(Metric)
-                .where(Metric.run_id == run_id, Metric.id > cursor.metric_id)
-                .order_by(Metric.id)
-                .limit(BATCH)
-            )
+    )
+    metrics = list(
+        session.scalars(
+            select(Metric)
+            .where(Metric.run_id == run_id, Metric.id > cursor.metric_id)
+            .order_by(Metric.id)
+            .limit(BATCH)
         )
-        return events, metrics, terminal
+    )
+    return events, metrics, terminal
 
 
 async def stream_run(
-    factory: sessionmaker[Session], run_id: str, cursor: StreamCursor
+    read: Reader, run_id: str, cursor: StreamCursor
 ) -> AsyncIterator[ServerSentEvent]:
     """Until the run is terminal and everything stored has been sent."""
     while True:
-        events, metrics, terminal = await anyio.to_thread.run_sync(_read, factory, run_id, cursor)
+        events, metrics, terminal = await read(lambda session: _read(session, run_id, cursor))
         for e in events:
             cursor.event_id = e.id
             yield ServerSentEvent(EventView.of(e).model_dump_json(), event="event", id=str(cursor))

@@ -50,7 +50,7 @@ def dispatcher(client: TestClient, settings: Settings) -> tuple[Dispatcher, Scri
     return (
         Dispatcher(
             settings=settings,
-            session_factory=state.session_factory,
+            session_factory=state.database.session_factory,
             jobs=jobs,
             metrics=state.metrics,
         ),

@@ -396,7 +396,8 @@ class TestQueue:
         second_app = create_app(settings, start_background=False)
         with TestClient(second_app) as second:
             restarted = WebhookDeliverer(
-                settings=settings, session_factory=second_app.state.tuneyard.session_factory
+                settings=settings,
+                session_factory=second_app.state.tuneyard.database.session_factory,
             )
             try:
                 assert restarted.tick() == 1
