@@ -222,11 +222,7 @@ def test_a_name_that_turns_inside_is_refused_when_the_delivery_connects(
     with monkeypatch.context() as env:
         # A proxy would resolve the name itself, past the rule: none is used.
         env.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")
-        deliverer = WebhookDeliverer(settings=settings, session_factory=session_factory)
-    try:
-        assert deliverer.tick() == 1
-    finally:
-        deliverer.stop()
+        assert _tick_once(settings, session_factory) == 1
     assert receiver.received == []
     [refused] = deliveries(client, run_id, auth)
     assert (refused["status"], refused["attempts"], refused["last_status_code"]) == (
@@ -257,12 +253,7 @@ def test_a_delivery_connects_to_the_address_it_checked_keeping_the_name(
             {"url": f"https://hooks.example.test:{port}/hooks"},
             {"url": f"https://other.example.test:{port}/hooks"},
         ]
-        with TestClient(create_app(allowing, start_background=False)) as app_client:
-            body = run_request(tmp_path, webhooks=hooks)
-            created = app_client.post("/v1/runs", json=body, headers=auth)
-            assert created.status_code == 201, created.text
-            run_id = created.json()["id"]
-            app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+        run_id = _cancelled_run(allowing, auth, tmp_path, hooks)
         deliverer = WebhookDeliverer(
             settings=allowing, session_factory=session_factory, verify=client_tls
         )
@@ -302,13 +293,7 @@ def test_the_connection_goes_to_the_address_checked_not_to_a_second_answer(
 
     lookups: list[str] = []
     monkeypatch.setattr(webhook_addresses, "resolve", resolve)
-    with TestClient(create_app(allowing, start_background=False)) as app_client:
-        created = app_client.post(
-            "/v1/runs", json=run_request(tmp_path, webhooks=[{"url": url}]), headers=auth
-        )
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+    run_id = _cancelled_run(allowing, auth, tmp_path, [{"url": url}])
 
     def rebinding(host: str, port: int) -> list[IPAddress]:
         lookups.append(host)
@@ -317,11 +302,7 @@ def test_the_connection_goes_to_the_address_checked_not_to_a_second_answer(
 
     lookups.clear()
     monkeypatch.setattr(webhook_addresses, "resolve", rebinding)
-    deliverer = WebhookDeliverer(settings=allowing, session_factory=session_factory)
-    try:
-        assert deliverer.tick() == 1
-    finally:
-        deliverer.stop()
+    assert _tick_once(allowing, session_factory) == 1
     assert lookups == ["pinned.example.test"]
     assert len(receiver.received) == 1
     [delivered] = deliveries(client, run_id, auth)
@@ -340,20 +321,11 @@ def test_credentials_in_a_url_stored_before_the_rule_are_not_sent(
     stored URL is not checked again) is refused at send time: httpx would turn it into a
     tenant-chosen `Authorization: Basic` header."""
     allowing = with_webhooks(settings, webhook_allowed_networks="127.0.0.1")
-    with TestClient(create_app(allowing, start_background=False)) as app_client:
-        body = run_request(tmp_path, webhooks=[{"url": receiver.url}])
-        created = app_client.post("/v1/runs", json=body, headers=auth)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+    run_id = _cancelled_run(allowing, auth, tmp_path, [{"url": receiver.url}])
     with session_factory.begin() as session:
         [row] = session.scalars(select(WebhookDelivery)).all()
         row.url = receiver.url.replace("http://", "http://admin:hunter2@")
-    deliverer = WebhookDeliverer(settings=allowing, session_factory=session_factory)
-    try:
-        assert deliverer.tick() == 1
-    finally:
-        deliverer.stop()
+    assert _tick_once(allowing, session_factory) == 1
     assert receiver.received == []
     [refused] = deliveries(client, run_id, auth)
     assert (refused["status"], refused["last_error"]) == ("pending", "refused: URL not allowed")
@@ -372,20 +344,33 @@ def test_a_failed_delivery_records_only_the_class_of_failure(
     allowing = with_webhooks(settings, webhook_allowed_networks="127.0.0.1", webhook_timeout_s=0.5)
     receiver.delay_s = 1.5
     closed = f"http://127.0.0.1:{free_port()}/closed"
-    with TestClient(create_app(allowing, start_background=False)) as app_client:
-        hooks = [{"url": closed}, {"url": receiver.url}]
-        body = run_request(tmp_path, webhooks=hooks)
-        created = app_client.post("/v1/runs", json=body, headers=auth)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
-    deliverer = WebhookDeliverer(settings=allowing, session_factory=session_factory)
-    try:
-        deliverer.tick()
-    finally:
-        deliverer.stop()
+    run_id = _cancelled_run(allowing, auth, tmp_path, [{"url": closed}, {"url": receiver.url}])
+    _tick_once(allowing, session_factory)
     errors = {d["url"]: d["last_error"] for d in deliveries(client, run_id, auth)}
     assert errors == {closed: "connection failed", receiver.url: "timed out"}
+
+
+def _cancelled_run(
+    settings: Settings, auth: dict[str, str], root: Path, hooks: list[dict[str, str]]
+) -> str:
+    """A run with `hooks`, made on a service with `settings` and cancelled at once: its
+    `run.cancelled` deliveries are due."""
+    with TestClient(create_app(settings, start_background=False)) as app_client:
+        body = run_request(root, webhooks=hooks)
+        created = app_client.post("/v1/runs", json=body, headers=auth)
+        assert created.status_code == 201, created.text
+        run_id: str = created.json()["id"]
+        app_client.post(f"/v1/runs/{run_id}/cancel", headers=auth)
+    return run_id
+
+
+def _tick_once(settings: Settings, session_factory: sessionmaker[Session]) -> int:
+    """One pass of a deliverer with `settings`: how many deliveries it sent or tried."""
+    deliverer = WebhookDeliverer(settings=settings, session_factory=session_factory)
+    try:
+        return deliverer.tick()
+    finally:
+        deliverer.stop()
 
 
 @pytest.fixture
