@@ -138,7 +138,11 @@ def _measure(url: str, passes: int) -> dict[str, object]:
         with factory() as session:
             begun = time.perf_counter()
             admitted = queue.schedule(
-                session, settings=settings, free_nodes=[dict(n) for n in NODES], now=utcnow()
+                session,
+                settings=settings,
+                hooks=settings.webhook_config(),
+                free_nodes=[dict(n) for n in NODES],
+                now=utcnow(),
             )
             for run_id, _queued_at in admitted:
                 lifecycle.claim(session, run_id, token_hash="0" * 64)

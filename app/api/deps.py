@@ -64,12 +64,14 @@ class AppState:
     # What the settings say to a request's checks, and to whatever ends a run or enqueues a
     # webhook: made once, passed to them as arguments.
     policy: RequestPolicy = field(init=False)
-    hooks: WebhookConfig = field(init=False)
 
     def __post_init__(self) -> None:
         self.profile_slots = ProfileSlots(self.settings.max_concurrent_profiles)
         self.policy = self.settings.request_policy()
-        self.hooks = self.policy.webhooks
+
+    @property
+    def hooks(self) -> WebhookConfig:
+        return self.policy.webhooks
 
 
 def app_state(request: Request) -> AppState:

@@ -159,6 +159,7 @@ class Dispatcher(TickLoop):
             admitted = queue.schedule(
                 session,
                 settings=self.settings,
+                hooks=self.hooks,
                 free_nodes=free_nodes,
                 free_reported=reported,
                 now=utcnow(),

@@ -23,6 +23,7 @@ from app.errors import TooManyRequests, Unauthorized, ValidationFailed, field_pr
 from app.schemas.run_view import RunFields, as_utc
 from app.services import lifecycle
 from app.services.lifecycle import preempted_reason
+from app.services.rules.webhook_rules import WebhookConfig
 from app.services.scheduling import (
     Ask,
     KeyLimits,
@@ -61,6 +62,7 @@ def schedule(
     session: Session,
     *,
     settings: Settings,
+    hooks: WebhookConfig,
     free_nodes: list[dict[str, float]] | None,
     now: datetime,
     free_reported: bool = True,
@@ -131,9 +133,7 @@ def schedule(
                 continue
             doomed = session.get(Run, row.id, with_for_update=True)
             if doomed is not None and doomed.run_status == RunStatus.QUEUED:
-                lifecycle.fail_unplaceable(
-                    session, doomed, message=verdict.why, hooks=settings.webhook_config()
-                )
+                lifecycle.fail_unplaceable(session, doomed, message=verdict.why, hooks=hooks)
     if unplaceable:
         session.execute(
             update(Run),

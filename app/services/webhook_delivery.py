@@ -18,8 +18,8 @@ retried or failed, never left pending; a claim that lapsed without an outcome (a
 that died mid-send) counts as an attempt, and past TUNEYARD_WEBHOOK_MAX_ATTEMPTS the row is
 failed rather than sent again. What a failure records is its class ("connection failed",
 "timed out", "refused: address not allowed", "refused: URL not allowed", "HTTP 503"),
-never an exception's text: the
-tenant reads it, and the details would describe a network it may not reach.
+never an exception's text: the tenant reads it, and the details would describe a network it
+may not reach.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.background import TickLoop
 from app.services.rules.webhook_addresses import (
     REFUSED,
-    AddressPolicy,
     AddressRefused,
     guarded_transport,
 )
@@ -146,7 +145,7 @@ class WebhookDeliverer(TickLoop):
         # Runs' own webhooks: every connection meets the address rule, to the address checked;
         # never through the environment's proxies (httpx would mount them past the transport,
         # and a proxy resolves the name itself).
-        policy = AddressPolicy.parse(settings.webhook_allowed_networks)
+        policy = settings.webhook_config().addresses
         self._http = httpx.Client(
             transport=guarded_transport(policy, verify=verify, total_s=settings.webhook_timeout_s),
             trust_env=False,
