@@ -13,7 +13,17 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.api import dashboard, files, fine_tuning, health, internal, prometheus, runs, webhooks
+from app.api import (
+    dashboard,
+    files,
+    fine_tuning,
+    graders,
+    health,
+    internal,
+    prometheus,
+    runs,
+    webhooks,
+)
 from app.api.deps import AppState
 from app.api.error_handlers import install_error_handlers
 from app.api.security_headers import SecurityHeadersMiddleware
@@ -142,6 +152,7 @@ def create_app(
     app.include_router(webhooks.router)
     app.include_router(files.router)
     app.include_router(fine_tuning.router)
+    app.include_router(graders.router)
     app.include_router(internal.router)
     app.include_router(health.router)
     app.include_router(prometheus.router)

@@ -19,6 +19,7 @@ from app.services.rules.run_rules import RequestPolicy
 from app.services.rules.tracking_rules import TrackingConfig
 from app.services.rules.webhook_addresses import AddressPolicy
 from app.services.rules.webhook_rules import WebhookConfig
+from contract.graders import sandbox
 from contract.job_env import PLACEMENT_TIMEOUT_ENV, RESERVED_NAMES, RESERVED_PREFIX
 from contract.run_request import TERMINAL_WEBHOOK_EVENTS, WEBHOOK_EVENTS, WebhookSpec
 from contract.storage import CREDENTIAL_VARIABLES, Storage, is_uri, scheme_problem
@@ -142,6 +143,14 @@ class Settings(BaseSettings):
     # max_concurrent_runs: a few at most, so that profiling cannot crowd out the runs.
     max_concurrent_profiles: int = Field(default=2, ge=1)
 
+    # Python graders (contract/graders/sandbox.py) run the code of whoever holds a key: off
+    # unless the operator turns them on, and then only in bubblewrap's sandbox (`bwrap`
+    # must be installed; the service refuses to start without it), with OpenAI's limits.
+    python_graders: bool = False
+    # Python graders that `graders/run` runs at once, all keys together; past it a 429.
+    # Each may hold a thread and a CPU for up to its 2-minute limit.
+    max_concurrent_python_graders: int = Field(default=2, ge=1)
+
     # Experiment tracking (worker/tracking.py). The MLflow tracking server that runs asking
     # for `tracking.mlflow` log to, as the cluster's nodes reach it; unset, no run may ask.
     # A job gets it as MLFLOW_TRACKING_URI. W&B needs no setting: WANDB_API_KEY and
@@ -259,6 +268,14 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("python_graders")
+    @classmethod
+    def _python_graders_are_sandboxed(cls, value: bool) -> bool:
+        reason = sandbox.unavailable() if value else None
+        if reason is not None:
+            raise ValueError(f"TUNEYARD_PYTHON_GRADERS: {reason}")
+        return value
+
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
         if self.auth == "disabled" and not _is_loopback(self.host):
@@ -317,6 +334,7 @@ class Settings(BaseSettings):
             roots=self.resolved_allowed_roots,
             webhooks=self.webhook_config(),
             tracking=self.tracking_config(),
+            python_graders=self.python_graders,
         )
 
     def webhook_config(self) -> WebhookConfig:

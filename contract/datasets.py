@@ -13,7 +13,9 @@ from contract.run_request import LOCAL_SOURCE_PREFIXES, DatasetSpec
 FILE_ID_PREFIX = "file_"
 
 # What an uploaded file is checked for; each matches a (task, dataset.format) pair.
-Purpose = Literal["text", "prompt_completion", "sequence_classification", "chat", "preference"]
+Purpose = Literal[
+    "text", "prompt_completion", "sequence_classification", "chat", "preference", "prompt"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ def purpose_of(task: str, dataset_format: str) -> Purpose:
         "prompt_completion": "prompt_completion",
         "chat": "chat",
         "preference": "preference",
+        "prompt": "prompt",
     }
     return by_format.get(dataset_format, "text")
 
@@ -95,6 +98,8 @@ def required_fields(
             RequiredField(chosen_field, "dataset.chosen_field"),
             RequiredField(rejected_field, "dataset.rejected_field"),
         ]
+    if purpose == "prompt":
+        return [RequiredField(prompt_field, "dataset.prompt_field")]
     if purpose == "prompt_completion":
         return [
             RequiredField(prompt_field, "dataset.prompt_field"),

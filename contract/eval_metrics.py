@@ -26,6 +26,9 @@ def eval_metric_names(*, task: str, method: str) -> tuple[str, ...]:
     """The metrics an evaluation of such a run reports, each prefixed `eval_`."""
     if method == "dpo":
         return ("eval_loss", *(f"eval_{name}" for name in PAIR_METRICS))
+    if method == "grpo":
+        # The grader's mean reward on the evaluation prompts, one greedy completion each.
+        return ("eval_reward",)
     if task == "sequence_classification":
         return ("eval_loss", "eval_accuracy", "eval_f1")
     return ("eval_loss", "eval_perplexity")

@@ -168,7 +168,19 @@ def _weight_problem(message: Mapping[str, Any], where: str, *, weighted: bool) -
     return None
 
 
-def _prompt_problem(prompt: Any, field: str) -> str | None:
+def prompt_record_problem(record: Any, *, prompt_field: str = "prompt") -> str | None:
+    """Why one record of prompts (method grpo's) is not trainable, or None. Its other
+    fields are the grader's to read."""
+    if not isinstance(record, Mapping):
+        return f"a record must be a JSON object, got {_kind(record)}"
+    if record.get(prompt_field) is None:
+        return f"record has no {prompt_field!r} (dataset.prompt_field)"
+    return _prompt_problem(record[prompt_field], prompt_field, answered_by="the completions")
+
+
+def _prompt_problem(
+    prompt: Any, field: str, *, answered_by: str = "the chosen and rejected answers"
+) -> str | None:
     if isinstance(prompt, str):
         return None if prompt.strip() else f"{field!r} is empty"
     if not isinstance(prompt, list):
@@ -181,7 +193,7 @@ def _prompt_problem(prompt: Any, field: str) -> str | None:
     if prompt[-1]["role"] != "user":
         return (
             f"{field}[{len(prompt) - 1}].role is {prompt[-1]['role']!r}: a prompt given as "
-            "messages ends with the user turn that the chosen and rejected answers reply to"
+            f"messages ends with the user turn that {answered_by} reply to"
         )
     return None
 

@@ -43,6 +43,7 @@ from contract.examples import (
     QWEN_AUTOTP,
     QWEN_CHAT_LORA,
 )
+from contract.graders.models import Grader
 from contract.job_env import SPEC_ENV
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -174,12 +175,14 @@ class DatasetSpec(BaseModel):
     text_field: Name = "text"
     text_pair_field: Name | None = None
     label_field: Name | None = None
-    format: Literal["text", "prompt_completion", "chat", "preference"] = Field(
+    format: Literal["text", "prompt_completion", "chat", "preference", "prompt"] = Field(
         default="text",
         description="text: plain text, the loss on every token. prompt_completion: the loss "
         "on the completion only. chat: OpenAI-style conversations (`messages`), rendered with "
         "the model's chat template, the loss on assistant turns only. preference: `prompt`, "
-        "`chosen` and `rejected` per record, for method dpo.",
+        "`chosen` and `rejected` per record, for method dpo. prompt: a `prompt` per record "
+        "(text, continued as it is, or messages ending with the user's turn, rendered with "
+        "the chat template), for method grpo; its other fields are what the grader reads.",
     )
     # For format=prompt_completion (and preference): the loss is on the completion only.
     prompt_field: Name = "prompt"
@@ -542,7 +545,59 @@ class DpoMethod(BaseModel):
     )
 
 
-Method = Annotated[SftMethod | DpoMethod, Field(discriminator="type")]
+class GrpoMethod(BaseModel):
+    """Group-relative policy optimisation (DeepSeekMath, Shao et al. 2024) as TRL's
+    GRPOTrainer defines it: each prompt's `num_generations` completions, sampled from the
+    current policy and scored by `grader`, learn from their reward relative to their
+    group's. Defaults are TRL's. `training.batch_size_per_worker` counts prompts, as
+    OpenAI's reinforcement `batch_size` does: a micro-batch trains on batch_size_per_worker
+    * num_generations completions, and a group never spans micro-batches or ranks."""
+
+    model_config = _strict
+
+    type: Literal["grpo"]
+    grader: Grader = Field(
+        description="What scores a completion: one of OpenAI's grader objects (string_check, "
+        "text_similarity, python, multi), reading the completion as {{sample.output_text}} "
+        "and the record's fields as {{item.<field>}}."
+    )
+    num_generations: int = Field(
+        default=8,
+        ge=2,
+        le=256,
+        description="Completions sampled per prompt: the group whose rewards are compared.",
+    )
+    max_completion_tokens: int = Field(
+        default=256, ge=1, le=131_072, description="The longest completion sampled."
+    )
+    temperature: float = Field(
+        default=1.0, gt=0, le=10, description="Sampling temperature of the completions."
+    )
+    beta: float = Field(
+        default=0.0,
+        ge=0,
+        le=100,
+        description="Weight of the KL term to the starting model (0: none, and no reference "
+        "model is kept, as TRL's default).",
+    )
+    epsilon: float = Field(
+        default=0.2, gt=0, lt=1, description="The policy ratio's clip range, 1 ± epsilon."
+    )
+    epsilon_high: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        description="The upper clip bound, 1 + epsilon_high, when it differs (DAPO's "
+        "clip-higher); unset: epsilon.",
+    )
+    loss_type: Literal["dapo", "grpo"] = Field(
+        default="dapo",
+        description="dapo: every completion token of the step weighs the same (TRL's "
+        "default); grpo: each completion's token mean, averaged over completions.",
+    )
+
+
+Method = Annotated[SftMethod | DpoMethod | GrpoMethod, Field(discriminator="type")]
 
 # `target_modules`: a module name suffix as peft matches it ("q_proj"), never a path.
 TargetModule = Annotated[
@@ -602,8 +657,9 @@ class RunDefinition(BaseModel):
     dataset: DatasetSpec
     method: Method = Field(
         default_factory=SftMethod,
-        description='{"type": "sft"} (the default) or {"type": "dpo", "beta": 0.1}, as in '
-        "OpenAI's fine-tuning `method` object.",
+        description='{"type": "sft"} (the default), {"type": "dpo", "beta": 0.1}, as in '
+        'OpenAI\'s fine-tuning `method` object, or {"type": "grpo", "grader": {...}} '
+        "(reinforcement fine-tuning, OpenAI's `reinforcement`).",
     )
     lora: LoraSpec | None = Field(
         default=None, description="Train LoRA adapters; absent for full fine-tuning."

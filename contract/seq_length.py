@@ -39,9 +39,13 @@ def chosen_seq_length(longest: int, cap: int) -> int:
     return max(2, min(cap, math.ceil(max(longest, 1) / MULTIPLE) * MULTIPLE))
 
 
-def choice_note(*, chosen: int, longest: int, cap: int, truncated: int, examples: int) -> str:
-    """What an event says of the choice, and what it cost."""
+def choice_note(
+    *, chosen: int, longest: int, cap: int, truncated: int, examples: int, room: int = 0
+) -> str:
+    """What an event says of the choice, and what it cost; `room`: the positions left to
+    the completions (`completion_room`), which `cap` already leaves out."""
     longest_words = f"more than {cap}" if longest > cap else str(longest)
+    limit = f" less method.max_completion_tokens ({room})" if room else ""
     cut = (
         f"; {truncated} of {examples} examples are longer and were truncated to it"
         if truncated
@@ -50,5 +54,12 @@ def choice_note(*, chosen: int, longest: int, cap: int, truncated: int, examples
     return (
         f"training.seq_length was not set: chose {chosen} from the data (the longest "
         f"tokenized example has {longest_words} tokens, rounded up to a multiple of "
-        f"{MULTIPLE}, at most the model's maximum positions, {cap}){cut}"
+        f"{MULTIPLE}, at most the model's maximum positions{limit}, {cap}){cut}"
     )
+
+
+def completion_room(definition: Any) -> int:
+    """Positions a row needs past its seq_length tokens: method grpo's prompts (seq_length
+    long at most) are followed by completions of up to max_completion_tokens."""
+    method = definition.method
+    return int(method.max_completion_tokens) if method.type == "grpo" else 0

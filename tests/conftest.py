@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from xdist.remote import Producer
 
 from app.main import create_app
 from app.ports import free_port
@@ -27,6 +29,13 @@ from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.migrate import upgrade_database
 from app.storage.models import Base
 from tests import postgres_server
+from tests.e2e.lanes import LANES, LaneScheduling
+
+# The processes pytest-xdist starts have found COLUMNS=80 in their environment here (from
+# nothing in xdist, execnet or pytest that we could find), and the CLI's consoles, made when
+# app.cli.commands is imported, would keep that width for good. The CLI tests give each
+# command the COLUMNS it should see, as a user's shell does.
+os.environ.pop("COLUMNS", None)
 
 
 def create_postgres_database(admin_url: str | None = None) -> str:
@@ -46,6 +55,22 @@ def drop_postgres_database(url: str, admin_url: str | None = None) -> None:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): a process per e2e lane, whose time goes mostly to
+    its Ray cluster's own processes, and one per core beyond those for everything else.
+    PYTEST_XDIST_AUTO_NUM_WORKERS still decides when it is set, as it does in xdist's own."""
+    if (chosen := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")).isdigit():
+        return int(chosen)
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return len(LANES) + max(1, cores - len(LANES))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LaneScheduling:
+    """Each e2e lane on one process, every other test wherever there is room."""
+    return LaneScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,11 +100,31 @@ def postgres_url() -> Iterator[str]:
     drop_postgres_database(url)
 
 
+@pytest.fixture(scope="session")
+def sqlite_at_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to the newest revision once per session: each test starts from
+    a copy of it rather than running every migration again (a third of a second a test).
+    tests/app/storage/test_migrations.py migrates empty databases itself."""
+    path = tmp_path_factory.mktemp("sqlite-at-head") / "tuneyard.db"
+    upgrade_database(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, sqlite_at_head: Path) -> str:
+    """A SQLite file of the test's own, at the newest revision and empty."""
+    path = tmp_path / "tuneyard.db"
+    shutil.copyfile(sqlite_at_head, path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """Every data-layer and API test runs on a real SQLite file and a real PostgreSQL."""
+def database_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every data-layer and API test runs on a real SQLite file and a real PostgreSQL, each
+    at the newest revision and empty. (A module that needs only one overrides this with
+    `sqlite_url`.)"""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tuneyard.db'}"
+        yield request.getfixturevalue("sqlite_url")
         return
     url: str = request.getfixturevalue("postgres_url")
     yield url
@@ -101,7 +146,7 @@ def settings(tmp_path: Path, database_url: str, tiny_model_dir: Path) -> Setting
 
 @pytest.fixture
 def session_factory(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    upgrade_database(settings.resolved_database_url)
+    # `database_url` is at the newest revision already.
     engine = make_engine(settings.resolved_database_url)
     yield make_session_factory(engine)
     engine.dispose()

@@ -139,7 +139,8 @@ def probe_row(batch: dict[str, Any]) -> dict[str, Any]:
     for key in ("input_ids", "attention_mask", "token_type_ids"):
         if key in row:
             row[key] = row[key][:, :PROBE_TOKENS]
-    if row["labels"].dim() == 2:
+    # Method grpo's prompt batches have none: its labels are sampled, not given.
+    if "labels" in row and row["labels"].dim() == 2:
         row["labels"] = row["labels"][:, :PROBE_TOKENS]
     return row
 

@@ -133,7 +133,10 @@ class AdapterReference:
     engine: Any
 
     def logps(self, inputs: dict[str, Any], labels: Any) -> Any:
-        return _reference_logps(self.engine, inputs, labels, self.engine.module.disable_adapter())
+        return sequence_logps(self.logits(inputs), labels)
+
+    def logits(self, inputs: dict[str, Any]) -> Any:
+        return _reference_logits(self.engine, inputs, self.engine.module.disable_adapter())
 
 
 @dataclass(slots=True)
@@ -144,17 +147,19 @@ class FrozenReference:
     zero3_config: Any = None  # kept alive as worker.model_setup.LoadedModel's is
 
     def logps(self, inputs: dict[str, Any], labels: Any) -> Any:
-        return _reference_logps(self.engine, inputs, labels, nullcontext())
+        return sequence_logps(self.logits(inputs), labels)
+
+    def logits(self, inputs: dict[str, Any]) -> Any:
+        return _reference_logits(self.engine, inputs, nullcontext())
 
 
-def _reference_logps(
-    engine: Any, inputs: dict[str, Any], labels: Any, context: AbstractContextManager[Any]
+def _reference_logits(
+    engine: Any, inputs: dict[str, Any], context: AbstractContextManager[Any]
 ) -> Any:
     import torch
 
     with torch.no_grad(), context:
-        logits = engine(**inputs, use_cache=False).logits
-        return sequence_logps(logits, labels)
+        return engine(**inputs, use_cache=False).logits
 
 
 def reference_config(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +182,8 @@ def reference_config(ds_config: dict[str, Any]) -> dict[str, Any]:
 def build_reference(
     spec: Any, tokenizer: Any, *, engine: Any, ds_config: dict[str, Any], precision: str
 ) -> Any:
-    """The reference for `spec`'s DPO run, beside the policy `engine`."""
+    """The reference for `spec`'s DPO run (or GRPO run with a KL term), beside the policy
+    `engine`."""
     if spec.lora is not None:
         return AdapterReference(engine)
     import deepspeed

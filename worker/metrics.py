@@ -115,6 +115,9 @@ class MetricSinks:
         if result.pair_sums is not None:
             parts.append(result.pair_sums.to(torch.float64).cpu())
             parts.append(torch.tensor([float(result.pairs)], dtype=torch.float64))
+        if result.sums is not None:
+            # Method grpo's: its names are the same, in the same order, on every rank.
+            parts.append(torch.tensor(list(result.sums.values.values()), dtype=torch.float64))
         totals = torch.cat(parts)
         self._complete_pending()
         work = None
@@ -125,6 +128,7 @@ class MetricSinks:
             totals=totals,
             local=local,
             progress={"step": step, "total_steps": total_steps, "epoch": epoch},
+            sums=result.sums,
         )
 
     def _complete_pending(self) -> None:
@@ -137,14 +141,19 @@ class MetricSinks:
         # The ranks of a tensor-parallel group train on the same batch: count it once.
         tp = self.spec.deepspeed.tensor_parallel_size
         elapsed = pending.local["step_time_seconds"]
+        sums = pending.sums
+        tail = totals[4 : len(totals) - len(sums.values)] if sums is not None else totals[4:]
         metrics = {
             "loss": float(totals[0]) / tp,
             "tokens_per_second": float(totals[1]) / tp / elapsed,
             "samples_per_second": float(totals[2]) / tp / elapsed,
             "tokens": float(totals[3]) / tp,
-            **_pair_means(totals[4:]),
+            **_pair_means(tail),
             **pending.local,
         }
+        if sums is not None:
+            reduced = totals[len(totals) - len(sums.values) :].tolist()
+            metrics.update(sums.metrics(dict(zip(sums.values, reduced, strict=True))))
         self._latest = metrics
         self._progress = pending.progress
         self._post(metrics, step=pending.progress["step"], progress=self._progress)
@@ -224,3 +233,4 @@ class _PendingStep:
     totals: Any  # loss, tokens, samples: summed over ranks once `work` completes
     local: dict[str, float]
     progress: dict[str, Any]
+    sums: Any = None  # method grpo's worker.grpo.StepSums, whose values end `totals`

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.run_request import RunSpec
-from contract.seq_length import choice_note, chosen_seq_length, seq_length_cap
+from contract.seq_length import (
+    choice_note,
+    chosen_seq_length,
+    completion_room,
+    seq_length_cap,
+)
 from worker.data import (
     CausalLMCollator,
     ClassificationCollator,
@@ -119,6 +124,10 @@ def _tokenized(
         from worker.preference import tokenize_preference
 
         return tokenize_preference(raw, tokenizer, spec=spec, notes=notes), None
+    if ds.format == "prompt":
+        from worker.prompts import tokenize_prompts
+
+        return tokenize_prompts(raw, tokenizer, spec=spec, notes=notes), None
     if ds.format == "chat":
         from worker.chat import tokenize_chat
 
@@ -166,7 +175,13 @@ def prepare_training(
 
     with _loading(spec.model):
         config = AutoConfig.from_pretrained(spec.model).to_dict()
-    cap = seq_length_cap(config)
+    # Method grpo: the prompt's share of the positions, the completion's left free.
+    cap = seq_length_cap(config) - completion_room(spec)
+    if cap < 2:
+        raise ValueError(
+            f"method.max_completion_tokens ({completion_room(spec)}) leaves no room for a "
+            f"prompt in the model's {seq_length_cap(config)} positions"
+        )
     probe_notes: list[str] = []
     examples, labels = _tokenized(
         _at_seq_length(spec, cap + 1), tokenizer, split=None, notes=probe_notes
@@ -180,7 +195,12 @@ def prepare_training(
     chosen = chosen_seq_length(longest, cap)
     truncated = sum(1 for n in lengths if n > chosen)
     note = choice_note(
-        chosen=chosen, longest=longest, cap=cap, truncated=truncated, examples=len(lengths)
+        chosen=chosen,
+        longest=longest,
+        cap=cap,
+        truncated=truncated,
+        examples=len(lengths),
+        room=completion_room(spec),
     )
     log.info(note)
     notes.append(note)
@@ -259,10 +279,13 @@ def _loader(spec: RunSpec, tokenizer: Any, examples: Any, *, shuffle: bool) -> A
         drop_last=shuffle,
     )
     from worker.preference import collator_for
+    from worker.prompts import PromptCollator
 
     collate: Any = collator_for(spec, tokenizer) or (
         ClassificationCollator(pad_token_id=tokenizer.pad_token_id)
         if spec.task == "sequence_classification"
+        else PromptCollator(pad_token_id=tokenizer.pad_token_id)
+        if spec.dataset.format == "prompt"
         else CausalLMCollator(pad_token_id=tokenizer.pad_token_id)
     )
     return DataLoader(

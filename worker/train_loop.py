@@ -112,7 +112,9 @@ class Training:
     plan: StepPlan
     device: Any
     zero3_config: Any = None  # kept alive for transformers (worker.model_setup.LoadedModel)
-    reference: Any = None  # method dpo: what the policy is compared with (worker/dpo.py)
+    # Method dpo (and grpo with a KL term): what the policy is compared with (worker/dpo.py).
+    reference: Any = None
+    generator: Any = None  # method grpo: what samples its completions (worker/generation.py)
 
 
 def build_training(spec: RunSpec, *, rank: int) -> Training:
@@ -153,7 +155,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         model=loaded.module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     reference = None
-    if spec.method.type == "dpo":
+    if spec.method.type == "dpo" or (spec.method.type == "grpo" and spec.method.beta > 0):
         from worker.dpo import build_reference
 
         # After the policy on every rank, in the same order: under ZeRO-3 loading the
@@ -169,7 +171,16 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         device=device,
         zero3_config=loaded.zero3_config,
         reference=reference,
+        generator=_generator(spec, tokenizer),
     )
+
+
+def _generator(spec: RunSpec, tokenizer: Any) -> Any:
+    if spec.method.type != "grpo":
+        return None
+    from worker.generation import HfGenerator
+
+    return HfGenerator(tokenizer)
 
 
 def model_hidden_size(spec: RunSpec) -> int | None:
@@ -282,14 +293,27 @@ class Attempt:
         if timed:
             _synchronize(self.training.device)
         started = time.perf_counter()
-        result = train_step(
-            self.training.engine,
-            batches,
-            spec=self.spec,
-            device=self.training.device,
-            group=self.sinks.group,
-            reference=self.training.reference,
-        )
+        if self.spec.method.type == "grpo":
+            from worker.grpo import grpo_step
+
+            result = grpo_step(
+                self.training.engine,
+                batches,
+                spec=self.spec,
+                device=self.training.device,
+                group=self.sinks.group,
+                generator=self.training.generator,
+                reference=self.training.reference,
+            )
+        else:
+            result = train_step(
+                self.training.engine,
+                batches,
+                spec=self.spec,
+                device=self.training.device,
+                group=self.sinks.group,
+                reference=self.training.reference,
+            )
         if timed:
             _synchronize(self.training.device)
         return result, time.perf_counter() - started
@@ -304,6 +328,20 @@ class Attempt:
 
         data = self.training.data
         if data.eval is None:
+            return
+        if self.spec.method.type == "grpo":
+            from worker.grpo import evaluate_reward
+
+            metrics = evaluate_reward(
+                self.training.engine,
+                data.eval,
+                spec=self.spec,
+                device=self.training.device,
+                group=self.sinks.group,
+                generator=self.training.generator,
+            )
+            self.sinks.log_eval(metrics, step=self.step)
+            self.watch.observe(metrics, step=self.step)
             return
         metrics = evaluate(
             self.training.engine,
@@ -392,6 +430,8 @@ class StepResult:
     # tensor), and how many pairs; metrics.py averages them over the step's pairs.
     pair_sums: Any = None
     pairs: int = 0
+    # Method grpo: its step's sums and the metrics they make (worker.grpo.StepSums).
+    sums: Any = None
 
 
 def train_step(

@@ -39,6 +39,8 @@ from app.services.rules.run_rules import RequestPolicy
 from app.services.rules.webhook_rules import WebhookConfig
 from app.settings import Settings
 from app.storage.request_access import RequestDatabase, is_sqlite
+from contract.graders.grading import Runners
+from contract.graders.sandbox import PythonSandbox
 
 T = TypeVar("T")
 
@@ -65,9 +67,19 @@ class AppState:
     # webhook: made once, passed to them as arguments.
     policy: RequestPolicy = field(init=False)
 
+    # Where graders run that cannot run in-process (Python graders' sandbox, when on), and
+    # how many Python graders may run at once.
+    graders: Runners = field(init=False)
+    python_graders: anyio.CapacityLimiter = field(init=False)
+
     def __post_init__(self) -> None:
         self.profile_slots = ProfileSlots(self.settings.max_concurrent_profiles)
         self.policy = self.settings.request_policy()
+        # SandboxUnavailable (no bwrap) stops the service starting with them on.
+        sandbox = PythonSandbox() if self.settings.python_graders else None
+        budget = sandbox.limits.timeout_s if sandbox else 0.0
+        self.graders = Runners(python=sandbox, python_budget_s=budget)
+        self.python_graders = anyio.CapacityLimiter(self.settings.max_concurrent_python_graders)
 
     @property
     def hooks(self) -> WebhookConfig:

@@ -33,7 +33,7 @@ from app.schemas.file_view import FileList, FileView
 from app.schemas.openai_shapes import FileDeleted, OpenAIError, OpenAIFile, OpenAIFileList
 from app.schemas.security_schemes import api_key
 from app.services import files
-from app.services.rules.file_checks import RecordChecks, checks_for
+from app.services.rules.file_checks import FINE_TUNE, RecordChecks, checks_for
 from app.storage.models import File
 from contract.bounds import refuse_nul
 from contract.datasets import Purpose
@@ -102,12 +102,14 @@ async def upload_file(
     # No SessionDep: its write transaction (and on SQLite the one writer's lock) would be
     # held while the file is copied and checked. Only the insert runs in a transaction.
     def checks(kind: Purpose) -> RecordChecks:
+        # OpenAI's reinforcement records (found by "fine-tune") hold the prompt in messages.
+        openai_prompts = kind == "prompt" and purpose == FINE_TUNE
         return checks_for(
             kind,
             text_field=text_field,
             text_pair_field=text_pair_field,
             label_field=label_field,
-            prompt_field=prompt_field,
+            prompt_field=messages_field if openai_prompts else prompt_field,
             completion_field=completion_field,
             messages_field=messages_field,
             chosen_field=chosen_field,

@@ -26,15 +26,14 @@ from app.api.deps import (
     app_state,
     read_as_caller,
 )
+from app.api.openai_compat import openai_responses
 from app.cluster.ray_jobs import try_stop
-from app.schemas.errors import error_responses
 from app.schemas.openai_shapes import (
     CheckpointPage,
     EventPage,
     Job,
     JobCreate,
     JobPage,
-    OpenAIError,
 )
 from app.schemas.run_view import json_response
 from app.schemas.security_schemes import api_key
@@ -56,12 +55,7 @@ _WORDS = {
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAI's statuses: a broken rule is a 400, never a 422 (so FastAPI's default 422
-    entry is replaced by `default`: any other error, in the same shape)."""
-    return {
-        **error_responses({code: _WORDS[code] for code in codes}, model=OpenAIError),
-        "default": {"model": OpenAIError, "description": "Any other error, in the same shape"},
-    }
+    return openai_responses({code: _WORDS[code] for code in codes})
 
 
 # Any text: an id no job can have (a NUL, a megabyte) is a 404, as an unknown one is, and

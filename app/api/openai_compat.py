@@ -14,6 +14,9 @@ from typing import Any
 
 from fastapi import Request
 
+from app.schemas.errors import error_responses
+from app.schemas.openai_shapes import OpenAIError
+
 OPENAI_ROUTES = "/v1/fine_tuning"
 SHARED_ROUTES = "/v1/files"
 SDK_HEADER = "x-stainless-lang"
@@ -55,3 +58,13 @@ def openai_error(status_code: int, error: str, detail: object) -> tuple[int, dic
     kind = _TYPE_OF_STATUS.get(status_code, "server_error" if status_code >= 500 else "error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": error}}
     return status_code, body
+
+
+def openai_responses(descriptions: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for an OpenAI route: a broken rule is a 400, never a 422 (so
+    FastAPI's default 422 entry is replaced by `default`: any other error, in the same
+    shape)."""
+    return {
+        **error_responses(descriptions, model=OpenAIError),
+        "default": {"model": OpenAIError, "description": "Any other error, in the same shape"},
+    }

@@ -175,12 +175,24 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie child still "exists"; reap it if it is ours.
+    # A zombie still "exists"; reap it if it is ours.
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
     except ChildProcessError:
-        return True
+        pass
+    # Another process's child: `serve --workers N`'s parent starts the head, and a head that
+    # died stays its zombie, unreaped, which a worker reviving it must not take for alive.
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no procfs (macOS), or it ended meanwhile: judged by the signal alone
+        return False
+    # The state follows the command name, which is in parentheses and may hold any byte.
+    return stat[stat.rfind(")") + 2 :].startswith(("Z", "X"))
 
 
 def _signal_group(pid: int, sig: int) -> None:

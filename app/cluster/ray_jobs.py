@@ -236,9 +236,16 @@ def try_stop(jobs: RayJobs, submission_id: str) -> None:
         log.warning("could not reach Ray to stop job %s yet: %s", submission_id, exc)
 
 
+# What Ray's dashboard answers (a 500) while the head's job agent has not started, or has
+# not registered yet: a head still starting, or busy. Ray's own words ask for a retry
+# (ray/dashboard/modules/job/job_head.py); a run must not fail for it.
+_NOT_YET = ("No available agent to submit job", "Failed to get head node agent")
+
+
 def _is_connection_error(exc: Exception) -> bool:
     import requests
 
-    return isinstance(exc, requests.ConnectionError | ConnectionError | TimeoutError) or (
-        "Failed to connect" in str(exc) or "Connection refused" in str(exc)
+    text = str(exc)
+    return isinstance(exc, requests.ConnectionError | ConnectionError | TimeoutError) or any(
+        words in text for words in ("Failed to connect", "Connection refused", *_NOT_YET)
     )

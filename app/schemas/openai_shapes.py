@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from app.schemas.run_view import as_utc
 from app.storage.models import File
 from contract.bounds import refuse_nul
+from contract.graders.models import Grader
 from contract.run_request import MetadataKey, MetadataValue
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -37,6 +38,26 @@ class OpenAIDpoHyperparameters(OpenAIHyperparameters):
     beta: Auto | Annotated[float, Field(gt=0, le=100)] = "auto"
 
 
+class OpenAIReinforcementHyperparameters(OpenAIHyperparameters):
+    """OpenAI's reinforcement hyperparameters, resolved in app/services/openai_jobs.py."""
+
+    compute_multiplier: Auto | Annotated[float, Field(gt=0, le=32)] = "auto"
+    eval_interval: Auto | Annotated[int, Field(gt=0, le=1_000_000)] = "auto"
+    eval_samples: Auto | Annotated[int, Field(gt=0, le=1_000)] = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
+class OpenAIReinforcementMethod(BaseModel):
+    model_config = _strict
+
+    grader: Grader
+    hyperparameters: OpenAIReinforcementHyperparameters = Field(
+        default_factory=OpenAIReinforcementHyperparameters
+    )
+    # OpenAI's structured-output schema for the sampled answers: no equivalent here.
+    response_format: dict[str, Any] | None = None
+
+
 class OpenAISupervisedMethod(BaseModel):
     model_config = _strict
 
@@ -55,8 +76,7 @@ class OpenAIMethod(BaseModel):
     type: Literal["supervised", "dpo", "reinforcement"]
     supervised: OpenAISupervisedMethod | None = None
     dpo: OpenAIDpoMethod | None = None
-    # Accepted in the shape only so that the refusal can name the reason.
-    reinforcement: dict[str, Any] | None = None
+    reinforcement: OpenAIReinforcementMethod | None = None
 
 
 FileId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
@@ -92,7 +112,8 @@ class JobCreate(BaseModel):
         default=None,
         description="tuneyard's run request groups beyond OpenAI's fields, merged into the "
         "run: `lora`, `deepspeed`, `resources`, `training`, `checkpointing`, "
-        "`fault_tolerance` and `dataset` (e.g. `chat_template`), and the scheduling fields "
+        "`fault_tolerance`, `dataset` (e.g. `chat_template`) and `method` (the method's own "
+        "settings, e.g. grpo's `max_completion_tokens`), and the scheduling fields "
         "`priority` and `preemptible`. With the OpenAI SDK: "
         '`extra_body={"tuneyard": {...}}`.',
     )

@@ -37,6 +37,7 @@ from contract.deepspeed_config import (
     resolve_precision,
 )
 from contract.run_request import RunDefinition
+from contract.seq_length import completion_room
 
 # A GPU run with precision=auto resolves on the cluster; validation assumes a bf16 GPU.
 ASSUME_BF16_GPU = True
@@ -116,7 +117,7 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
         "memory_per_worker": (
             memory_per_worker(spec, model, _deepspeed_config(checked)) if model else None
         ),
-        "tokens_per_step": global_batch_size(spec) * _seq_length(spec),
+        "tokens_per_step": global_batch_size(spec) * _rows_per_example(spec) * _row_tokens(spec),
         "method": "model_states_bytes_per_worker: ZeRO paper formulas for parameters, "
         "gradients and Adam state of the parameters in the model's safetensors files. "
         "memory_per_worker: what DeepSpeed 0.19.8 allocates at this stage, the ZeRO buckets "
@@ -285,6 +286,7 @@ def memory_per_worker(
             reference_model_bytes(spec, model, width=width),
             offloaded=ds.offload_params == "cpu",
         ),
+        "generation": line(generation_bytes(spec, model, width=width)),
         "activations": line(activation_bytes(spec, model, width=width)),
         "load_time_peak": _load_time_peak(spec, model, width=width),
     }
@@ -420,12 +422,20 @@ def _states(
     )
 
 
+def keeps_reference_copy(spec: RunDefinition) -> bool:
+    """DPO, and GRPO with a KL term, compare with the starting model: a copy of it unless
+    LoRA's adapters can be switched off instead (worker/dpo.py build_reference)."""
+    method = spec.method
+    compares = method.type == "dpo" or (method.type == "grpo" and method.beta > 0)
+    return compares and spec.lora is None
+
+
 def reference_model_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
-    """DPO's reference (worker/dpo.py): under LoRA the policy with its adapters disabled,
+    """The reference (worker/dpo.py): under LoRA the policy with its adapters disabled,
     nothing more; otherwise a frozen copy in its own inference engine, partitioned like the
     policy's parameters at ZeRO-3 and whole on every rank at other stages (it has no
     gradients or optimizer state for ZeRO-1/2 to shard)."""
-    if spec.method.type != "dpo" or spec.lora is not None:
+    if not keeps_reference_copy(spec):
         return 0
     psi = model.parameters / spec.deepspeed.tensor_parallel_size
     if spec.deepspeed.zero_stage == 3:
@@ -433,11 +443,39 @@ def reference_model_bytes(spec: RunDefinition, model: ModelFacts, *, width: int)
     return int(width * psi)
 
 
+def generation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
+    """GRPO's sampling (worker/generation.py): the KV cache of a micro-batch's rows at
+    their full length (keys and values, kv_dim each, per layer), and under ZeRO-3 the rest
+    of the model gathered onto every rank for the step's generation."""
+    if spec.method.type != "grpo":
+        return 0
+    cache = rows_per_micro_batch(spec) * _row_tokens(spec) * model.layers * 2 * model.kv_dim
+    gathered = 0.0
+    if spec.deepspeed.zero_stage == 3:
+        dp = spec.data_parallel_size
+        gathered = model.parameters * (1 - 1 / dp)
+    return int(width * (cache + gathered))
+
+
+def _rows_per_example(spec: RunDefinition) -> int:
+    """Sequences per example: a DPO pair's two answers, a GRPO prompt's completions."""
+    method = spec.method
+    if method.type == "dpo":
+        return 2
+    if method.type == "grpo":
+        return method.num_generations
+    return 1
+
+
 def rows_per_micro_batch(spec: RunDefinition) -> int:
     """Sequences in one forward: DPO scores each pair's chosen and rejected answers in one
-    batch of twice the pairs (worker/preference.py)."""
-    pairs = 2 if spec.method.type == "dpo" else 1
-    return spec.training.batch_size_per_worker * pairs
+    batch of twice the pairs (worker/preference.py); GRPO each prompt's completions."""
+    return spec.training.batch_size_per_worker * _rows_per_example(spec)
+
+
+def _row_tokens(spec: RunDefinition) -> int:
+    """A row's longest length: seq_length, and a GRPO completion after its prompt."""
+    return _seq_length(spec) + completion_room(spec)
 
 
 def activation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
@@ -466,7 +504,7 @@ def activation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> i
     per_layer = 4 * m.hidden + (attention + mlp) / tp
     # Checkpointing keeps each layer's input and rebuilds one layer at a time.
     kept = m.layers * m.hidden + per_layer if tr.gradient_checkpointing else m.layers * per_layer
-    tokens = rows_per_micro_batch(spec) * _seq_length(spec)
+    tokens = rows_per_micro_batch(spec) * _row_tokens(spec)
     hidden_states = tokens * width * (kept + 2 * m.hidden)
     logits = tokens * m.vocab * _logit_bytes(width) if spec.task == "causal_lm" else 0
     return int(hidden_states + logits)
@@ -593,14 +631,26 @@ def _formulas(
         }[stage],
         "zero_buckets": buckets,
         "reference_model": (
-            "DPO without LoRA: a frozen copy of the starting model, "
+            "a frozen copy of the starting model, "
             + (
                 f"{width} bytes x {psi}/dp (partitioned)"
                 if stage == 3
                 else f"{width} bytes x {psi}"
             )
-            if spec.method.type == "dpo" and spec.lora is None
-            else "none: only DPO without LoRA keeps a reference copy"
+            if keeps_reference_copy(spec)
+            else "none: only DPO and GRPO with beta > 0, without LoRA, keep a reference copy"
+        ),
+        "generation": (
+            f"GRPO's sampling: the KV cache, rows {rows_per_micro_batch(spec)} x "
+            f"(seq_length + max_completion_tokens) {_row_tokens(spec)} tokens x layers "
+            f"{model.layers} x 2 x kv {model.kv_dim} elements of {width} bytes"
+            + (
+                f", and the gathered model, {width} bytes x {psi} x (1 - 1/dp)"
+                if stage == 3
+                else ""
+            )
+            if spec.method.type == "grpo"
+            else "none: only GRPO samples"
         ),
         "trainable_parameters": (
             "LoRA: gradients, optimizer states, their temporaries and the master copy count "
@@ -608,8 +658,8 @@ def _formulas(
             if spec.lora is not None
             else "every parameter trains"
         ),
-        "activations": f"{checkpointing}; rows {rows_per_micro_batch(spec)} x seq_length "
-        f"{tr.seq_length} tokens; per token and layer 4h + attention (q + 2kv"
+        "activations": f"{checkpointing}; rows {rows_per_micro_batch(spec)} x "
+        f"{_row_tokens(spec)} tokens; per token and layer 4h + attention (q + 2kv"
         + (" + rotary 2(q + kv)" if model.rotary else "")
         + f" + output 2q) + MLP ({4 if model.gated_mlp else 2}i) elements of {width} bytes"
         + loss,

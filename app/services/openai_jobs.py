@@ -12,6 +12,11 @@ What OpenAI's names resolve to, documented in the README and the OpenAPI documen
 - `learning_rate_multiplier` scales a base learning rate of 1e-5 for full fine-tuning and
   1e-4 with LoRA ("auto": 1).
 - DPO's `beta` ("auto": 0.1, TRL's default).
+- Reinforcement is tuneyard's grpo on a file of prompts: `grader` as given;
+  `compute_multiplier` scales the completions sampled per prompt ("auto": 8, TRL's
+  num_generations); `batch_size` counts prompts; `eval_interval` is
+  `training.eval_every_n_steps` ("auto": at the end); `reasoning_effort` and `eval_samples`
+  are accepted and ignored, each with an event saying so.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from app.schemas.openai_shapes import (
     JobEvent,
     OpenAIDpoHyperparameters,
     OpenAIHyperparameters,
+    OpenAIReinforcementHyperparameters,
 )
 from app.schemas.run_view import RunView, as_utc
-from app.services import runs
+from app.services import lifecycle, runs
 from app.services.placement import ClusterView
 from app.services.rules.run_rules import RequestPolicy
 from app.storage.lookups import find_file
@@ -51,10 +57,12 @@ from contract.statuses import RunStatus
 BASE_LEARNING_RATE = 1e-5
 BASE_LEARNING_RATE_LORA = 1e-4
 DEFAULT_BETA = 0.1
+# Completions per prompt at compute_multiplier 1 ("auto"): TRL's num_generations default.
+DEFAULT_GENERATIONS = 8
 # The run request's groups (and scheduling fields) the `tuneyard` extension field may set.
 EXTENSION_GROUPS = frozenset(
-    {"task", "dataset", "lora", "training", "deepspeed", "resources", "checkpointing",
-     "fault_tolerance", "priority", "preemptible"}
+    {"task", "dataset", "method", "lora", "training", "deepspeed", "resources",
+     "checkpointing", "fault_tolerance", "priority", "preemptible"}
 )  # fmt: skip
 # The dataset format each upload purpose was checked for.
 _FORMAT_OF_PURPOSE = {
@@ -62,6 +70,7 @@ _FORMAT_OF_PURPOSE = {
     "prompt_completion": "prompt_completion",
     "chat": "chat",
     "preference": "preference",
+    "prompt": "prompt",
     "sequence_classification": "text",
 }
 # tuneyard's field names as OpenAI's request names them, for errors' `param`.
@@ -74,6 +83,9 @@ _PARAM_OF_FIELD = {
     "training.seed": "seed",
     "training.learning_rate": "hyperparameters.learning_rate_multiplier",
     "method.dpo.beta": "method.dpo.hyperparameters.beta",
+    "method.grpo.grader": "method.reinforcement.grader",
+    "method.grpo.num_generations": "method.reinforcement.hyperparameters.compute_multiplier",
+    "training.eval_every_n_steps": "method.reinforcement.hyperparameters.eval_interval",
 }
 _STATUS = {
     RunStatus.QUEUED: "queued",
@@ -120,6 +132,8 @@ def store_job(session: Session, new: runs.NewRun, *, job: JobCreate) -> Run:
         "validation_file": job.validation_file,
         "suffix": job.suffix,
     }
+    for note in job_notes(job):
+        lifecycle.record_event(session, run, type=EventType.MESSAGE, message=note)
     return run
 
 
@@ -159,17 +173,24 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
     if upload is not None and upload.purpose == "sequence_classification":
         groups.setdefault("task", "sequence_classification")
         dataset.setdefault("label_field", "label")
+    if method["type"] == "grpo" and upload is not None:
+        dataset.setdefault("prompt_field", _prompt_field(upload.fields))
     training = _group(groups, "training")
     lora = groups.get("lora")
     _resolve_hyperparameters(hyper, training, groups, lora=lora is not None, problems=problems)
+    if isinstance(hyper, OpenAIReinforcementHyperparameters) and hyper.eval_interval != "auto":
+        training.setdefault("eval_every_n_steps", hyper.eval_interval)
     if job.seed is not None:
         training["seed"] = job.seed
+    # The method's own settings that OpenAI has no name for (grpo's max_completion_tokens,
+    # temperature, beta, ...); its type is OpenAI's `method.type`.
+    extra_method = {k: v for k, v in _group(groups, "method").items() if k != "type"}
     body: dict[str, Any] = {
         **groups,
         "model": job.model,
         "dataset": dataset,
         "training": training,
-        "method": method,
+        "method": {**method, **extra_method},
         "metadata": job.metadata or {},
     }
     try:
@@ -182,6 +203,33 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
     return request
 
 
+def _prompt_field(fields: Sequence[str]) -> str:
+    """Where an upload of prompts holds them: OpenAI's reinforcement records in `messages`,
+    tuneyard's in `prompt`."""
+    return "messages" if "messages" in fields and "prompt" not in fields else "prompt"
+
+
+def job_notes(job: JobCreate) -> list[str]:
+    """What the job asked that tuneyard accepts and does not act on: said in its events."""
+    method = job.method
+    if method is None or method.reinforcement is None:
+        return []
+    hyper = method.reinforcement.hyperparameters
+    notes = []
+    if hyper.reasoning_effort != "default":
+        notes.append(
+            f"reasoning_effort {hyper.reasoning_effort!r} is accepted and ignored: it applies "
+            "to OpenAI's reasoning models; tuneyard samples up to "
+            "method.max_completion_tokens tokens"
+        )
+    if hyper.eval_samples not in ("auto", 1):
+        notes.append(
+            f"eval_samples {hyper.eval_samples} is accepted and ignored: tuneyard's "
+            "eval_reward scores one greedy completion of each validation prompt"
+        )
+    return notes
+
+
 def _group(groups: dict[str, Any], name: str) -> dict[str, Any]:
     value = groups.get(name, {})
     return dict(value) if isinstance(value, dict) else {}
@@ -189,19 +237,36 @@ def _group(groups: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _method_and_hyperparameters(
     job: JobCreate, problems: list[dict[str, str]]
-) -> tuple[dict[str, Any], OpenAIHyperparameters]:
+) -> tuple[dict[str, Any], OpenAIHyperparameters | OpenAIReinforcementHyperparameters]:
     method = job.method
     if method is None:
         return {"type": "sft"}, job.hyperparameters or OpenAIHyperparameters()
     if method.type == "reinforcement":
-        problems.append(
-            field_problem(
-                "method.type",
-                "reinforcement fine-tuning (graders) is not offered by tuneyard; use "
-                "'supervised' or 'dpo'",
+        rl = method.reinforcement
+        if rl is None:
+            problems.append(
+                field_problem(
+                    "method.reinforcement",
+                    "method.type 'reinforcement' needs method.reinforcement with its grader",
+                )
             )
-        )
-        return {"type": "sft"}, OpenAIHyperparameters()
+            return {"type": "sft"}, OpenAIHyperparameters()
+        if rl.response_format is not None:
+            problems.append(
+                field_problem(
+                    "method.reinforcement.response_format",
+                    "tuneyard samples completions as plain text; leave response_format out "
+                    "(a grader reads JSON answers as {{sample.output_json.<field>}})",
+                )
+            )
+        hyper = rl.hyperparameters
+        multiplier = 1.0 if hyper.compute_multiplier == "auto" else hyper.compute_multiplier
+        return {
+            "type": "grpo",
+            "grader": rl.grader.model_dump(mode="json", exclude_none=True),
+            # More compute is more completions sampled per prompt, the group compared.
+            "num_generations": max(2, round(DEFAULT_GENERATIONS * multiplier)),
+        }, hyper
     if method.type == "dpo":
         dpo = method.dpo.hyperparameters if method.dpo else OpenAIDpoHyperparameters()
         beta = DEFAULT_BETA if dpo.beta == "auto" else dpo.beta
@@ -276,6 +341,21 @@ def job_view(run: Run, *, trained_tokens: int | None) -> Job:
         method = {
             "type": "dpo",
             "dpo": {"hyperparameters": {**hyperparameters_of(spec), "beta": spec.method.beta}},
+        }
+    elif spec.method.type == "grpo":
+        every = spec.training.eval_every_n_steps
+        method = {
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": spec.method.grader.model_dump(mode="json", exclude_none=True),
+                "hyperparameters": {
+                    **hyperparameters_of(spec),
+                    "compute_multiplier": spec.method.num_generations / DEFAULT_GENERATIONS,
+                    "eval_interval": every if every is not None else "auto",
+                    "eval_samples": 1,
+                    "reasoning_effort": "default",
+                },
+            },
         }
     else:
         method = {"type": "supervised", "supervised": {"hyperparameters": hyperparameters_of(spec)}}

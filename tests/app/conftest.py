@@ -47,6 +47,12 @@ def started(
     return run_id, bearer(token)
 
 
+# Seconds a test's own HTTP call to a `served` app may take: httpx's default (5 s) is too
+# short for a loaded 2-core machine, where the suite's processes and its Ray clusters share
+# the cores with the app's thread (a CI run timed out at 5 s).
+HTTP_TIMEOUT_S = 60
+
+
 @contextmanager
 def served(api: Any) -> Iterator[str]:
     """`api` on a loopback port (uvicorn in a thread), for clients that speak real HTTP;
@@ -64,3 +70,27 @@ def served(api: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture
+def openai_live(
+    settings: Settings, session_factory: sessionmaker[Session]
+) -> Iterator[tuple[str, str]]:
+    """The HTTP layer served on loopback, for OpenAI's SDK: (its URL, an API key)."""
+    from app.main import create_app
+    from tests.conftest import make_api_key
+
+    with served(create_app(settings, start_background=False)) as url:
+        yield url, make_api_key(session_factory)
+
+
+@pytest.fixture
+def openai_sdk(openai_live: tuple[str, str]) -> Iterator[Any]:
+    """OpenAI's own SDK on `openai_live`."""
+    import openai
+
+    url, key = openai_live
+    with openai.OpenAI(
+        base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=HTTP_TIMEOUT_S
+    ) as sdk:
+        yield sdk

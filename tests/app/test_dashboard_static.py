@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,9 +32,9 @@ _URL_IN_TAG = re.compile(r"""(?:src|href)\s*=\s*["']([^"']+)["']""")
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(sqlite_url: str) -> str:
     """SQLite only: what is served does not depend on the database."""
-    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+    return sqlite_url
 
 
 def _loaded_urls(html: str) -> list[str]:

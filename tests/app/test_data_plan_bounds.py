@@ -13,7 +13,6 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,9 @@ CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_e
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> Iterator[str]:
+def database_url(sqlite_url: str) -> str:
     """SQLite only: nothing here depends on the database, and some tests are slow."""
-    yield f"sqlite:///{tmp_path / 'tuneyard.db'}"
+    return sqlite_url
 
 
 def _text_file(path: Path, lines: list[str]) -> Path:

@@ -96,6 +96,7 @@ class TestStages:
             "fp32_master_copy",
             "zero_buckets",
             "reference_model",
+            "generation",
             "activations",
             "load_time_peak",
         }
@@ -368,6 +369,58 @@ class TestLora:
         states = model_states_bytes(lora, PSI, trainable=adapters)
         assert states["optimizer_states"] == 8 * adapters // 2
         assert states["parameters"] == 4 * PSI
+
+
+GRPO_GRADER = {
+    "type": "string_check",
+    "name": "g",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "eq",
+}
+
+
+class TestGrpo:
+    def _grpo(self, base: RunDefinition, *, lora: Any = None, **method: Any) -> RunDefinition:
+        grpo = {"type": "grpo", "grader": GRPO_GRADER, "max_completion_tokens": 64, **method}
+        return RunDefinition.model_validate(
+            {
+                **base.model_dump(by_alias=True),
+                "dataset": {"source": "/data/d.jsonl", "format": "prompt"},
+                "method": grpo,
+                "lora": lora,
+            }
+        )
+
+    def test_each_prompt_is_its_groups_rows_of_prompt_and_completion(self) -> None:
+        sft, model = spec_for(stage=2), facts()
+        grpo = self._grpo(sft, num_generations=4)
+        # 4 completions a prompt, each 128 prompt + 64 completion tokens long.
+        longer = RunDefinition.model_validate(
+            {
+                **sft.model_dump(by_alias=True),
+                "training": {**sft.training.model_dump(), "seq_length": 192},
+            }
+        )
+        assert activation_bytes(grpo, model, width=4) == 4 * activation_bytes(
+            longer, model, width=4
+        )
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_sampling_holds_the_kv_cache_and_at_zero3_the_gathered_model(self, stage: int) -> None:
+        grpo = self._grpo(spec_for(stage=stage), num_generations=4)
+        cache = 4 * 4 * (128 + 64) * 8 * 2 * HIDDEN * 4  # rows x tokens x layers x k,v x fp32
+        gathered = 4 * PSI // 2 if stage == 3 else 0  # the other rank's half, at 2 workers
+        assert total(breakdown(grpo)["lines"]["generation"]) == cache + gathered
+        assert total(breakdown(spec_for(stage=stage))["lines"]["generation"]) == 0
+
+    def test_a_reference_copy_only_with_a_kl_term_and_without_lora(self) -> None:
+        sft = spec_for(stage=2)
+        assert total(breakdown(self._grpo(sft))["lines"]["reference_model"]) == 0
+        with_kl = breakdown(self._grpo(sft, beta=0.04))["lines"]
+        assert with_kl["reference_model"] == with_kl["parameters"]
+        lora = self._grpo(sft, beta=0.04, lora={"r": 8})
+        assert total(breakdown(lora)["lines"]["reference_model"]) == 0
 
 
 class TestDpo:

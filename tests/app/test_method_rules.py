@@ -101,7 +101,7 @@ class TestCombinations:
     ) -> None:
         body = run_request(tmp_path, dataset={"chat_template": "{{ messages }}"})
         assert (
-            "formats 'chat' and 'preference'"
+            "formats 'chat', 'preference' and 'prompt'"
             in _problems(client, auth, body)["dataset.chat_template"]
         )
 

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.main import create_app
 from app.settings import Settings
-from tests.app.conftest import served, start_run
+from tests.app.conftest import HTTP_TIMEOUT_S, served, start_run
 from tests.app.worker_calls import run_location
 from tests.conftest import make_api_key
 from worker.service_client import MetricsSender, ServiceClient
@@ -178,7 +178,9 @@ def live(
     key = make_api_key(session_factory)
     with (
         served(create_app(settings, start_background=False)) as url,
-        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api,
+        httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=HTTP_TIMEOUT_S
+        ) as api,
     ):
         with TestClient(create_app(settings, start_background=False)) as local:
             run_id, token = start_run(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,8 @@ import openai
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.main import create_app
 from app.settings import Settings
-from tests.app.conftest import served
+from tests.app.conftest import HTTP_TIMEOUT_S
 from tests.conftest import make_api_key
 
 TEMPLATE = (
@@ -43,26 +41,13 @@ def _jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 @pytest.fixture
-def live(settings: Settings, session_factory: sessionmaker[Session]) -> Iterator[tuple[str, str]]:
-    with served(create_app(settings, start_background=False)) as url:
-        yield url, make_api_key(session_factory)
+def chat_file(openai_sdk: openai.OpenAI, tmp_path: Path) -> Any:
+    return openai_sdk.files.create(file=_jsonl(tmp_path / "chat.jsonl", CHAT), purpose="fine-tune")
 
 
-@pytest.fixture
-def client(live: tuple[str, str]) -> Iterator[openai.OpenAI]:
-    url, key = live
-    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as sdk:
-        yield sdk
-
-
-@pytest.fixture
-def chat_file(client: openai.OpenAI, tmp_path: Path) -> Any:
-    return client.files.create(file=_jsonl(tmp_path / "chat.jsonl", CHAT), purpose="fine-tune")
-
-
-def _job(client: openai.OpenAI, model: Path, training_file: str, **kwargs: Any) -> Any:
+def _job(openai_sdk: openai.OpenAI, model: Path, training_file: str, **kwargs: Any) -> Any:
     extension = {"dataset": {"chat_template": TEMPLATE}, "training": {"seq_length": 64}}
-    return client.fine_tuning.jobs.create(
+    return openai_sdk.fine_tuning.jobs.create(
         model=str(model),
         training_file=training_file,
         extra_body={"tuneyard": extension},
@@ -72,7 +57,7 @@ def _job(client: openai.OpenAI, model: Path, training_file: str, **kwargs: Any) 
 
 class TestFiles:
     def test_upload_retrieve_list_delete(
-        self, client: openai.OpenAI, chat_file: Any, tmp_path: Path, settings: Settings
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tmp_path: Path, settings: Settings
     ) -> None:
         assert chat_file.object == "file" and chat_file.purpose == "fine-tune"
         assert chat_file.filename == "chat.jsonl" and chat_file.status == "processed"
@@ -81,22 +66,22 @@ class TestFiles:
         # tuneyard's own fields ride along for those who read them.
         extra = chat_file.model_extra or {}
         assert extra["dataset_format"] == "chat" and extra["records"] == 2
-        assert client.files.retrieve(chat_file.id).id == chat_file.id
+        assert openai_sdk.files.retrieve(chat_file.id).id == chat_file.id
 
-        second = client.files.create(
+        second = openai_sdk.files.create(
             file=_jsonl(
                 tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}]
             ),
             purpose="fine-tune",
         )
-        page = client.files.list(limit=1)
+        page = openai_sdk.files.list(limit=1)
         assert [f.id for f in page.data] == [second.id] and page.has_more
         # The SDK follows `after` through every page.
-        assert [f.id for f in client.files.list(limit=1)] == [second.id, chat_file.id]
+        assert [f.id for f in openai_sdk.files.list(limit=1)] == [second.id, chat_file.id]
 
         stored = list(settings.uploads_dir.glob(f"{chat_file.id}.*"))
         assert [p.name for p in stored] == [f"{chat_file.id}.jsonl"]
-        deleted = client.files.delete(chat_file.id)
+        deleted = openai_sdk.files.delete(chat_file.id)
         assert deleted.deleted and deleted.id == chat_file.id
         # The bytes go too, once the row's removal is committed (just after the answer).
         deadline = time.monotonic() + 10
@@ -104,26 +89,26 @@ class TestFiles:
             time.sleep(0.05)
         assert not stored[0].exists()
         with pytest.raises(openai.NotFoundError) as missing:
-            client.files.retrieve(chat_file.id)
+            openai_sdk.files.retrieve(chat_file.id)
         assert chat_file.id in missing.value.message
 
     def test_a_bad_file_is_refused_with_the_line(
-        self, client: openai.OpenAI, tmp_path: Path
+        self, openai_sdk: openai.OpenAI, tmp_path: Path
     ) -> None:
         bad = _jsonl(
             tmp_path / "bad.jsonl", [CHAT[0], {"messages": [{"role": "user", "content": "x"}]}]
         )
         with pytest.raises(openai.BadRequestError) as refused:
-            client.files.create(file=bad, purpose="fine-tune")
+            openai_sdk.files.create(file=bad, purpose="fine-tune")
         assert refused.value.param == "file"
         assert "line 2" in refused.value.message and "assistant" in refused.value.message
 
     def test_a_file_of_no_known_kind_is_refused(
-        self, client: openai.OpenAI, tmp_path: Path
+        self, openai_sdk: openai.OpenAI, tmp_path: Path
     ) -> None:
         odd = _jsonl(tmp_path / "odd.jsonl", [{"question": "a", "answer": "b"}])
         with pytest.raises(openai.BadRequestError) as refused:
-            client.files.create(file=odd, purpose="fine-tune")
+            openai_sdk.files.create(file=odd, purpose="fine-tune")
         assert "chat records ('messages')" in refused.value.message
 
     @pytest.mark.parametrize(
@@ -136,26 +121,30 @@ class TestFiles:
     )
     def test_a_fine_tune_file_is_checked_as_what_its_records_are(
         self,
-        client: openai.OpenAI,
-        live: tuple[str, str],
+        openai_sdk: openai.OpenAI,
+        openai_live: tuple[str, str],
         tmp_path: Path,
         record: dict[str, Any],
         kind: str,
     ) -> None:
-        uploaded = client.files.create(
+        uploaded = openai_sdk.files.create(
             file=_jsonl(tmp_path / "data.jsonl", [record]), purpose="fine-tune"
         )
-        url, key = live
+        url, key = openai_live
         view = httpx.get(
-            f"{url}/v1/files/{uploaded.id}", headers={"Authorization": f"Bearer {key}"}
+            f"{url}/v1/files/{uploaded.id}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=HTTP_TIMEOUT_S,
         ).json()
         assert view["purpose"] == kind and view["fields"] == list(record)
 
     def test_tuneyard_clients_keep_tuneyard_shapes(
-        self, live: tuple[str, str], chat_file: Any
+        self, openai_live: tuple[str, str], chat_file: Any
     ) -> None:
-        url, key = live
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+        url, key = openai_live
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=HTTP_TIMEOUT_S
+        ) as http:
             view = http.get(f"/v1/files/{chat_file.id}").json()
             assert view["purpose"] == "chat" and view["records"] == 2
             assert view["status"] == "processed"  # OpenAI's field beside tuneyard's
@@ -175,20 +164,20 @@ class TestFiles:
 class TestJobs:
     def test_create_resolves_openais_hyperparameters_into_the_run(
         self,
-        client: openai.OpenAI,
-        live: tuple[str, str],
+        openai_sdk: openai.OpenAI,
+        openai_live: tuple[str, str],
         tiny_model_dir: Path,
         tmp_path: Path,
     ) -> None:
         # 8 conversations: 2 epochs of 4-row steps on 2 workers.
-        chat_file = client.files.create(
+        chat_file = openai_sdk.files.create(
             file=_jsonl(tmp_path / "more.jsonl", CHAT * 4), purpose="fine-tune"
         )
-        validation = client.files.create(
+        validation = openai_sdk.files.create(
             file=_jsonl(tmp_path / "valid.jsonl", CHAT[:1]), purpose="fine-tune"
         )
         job = _job(
-            client,
+            openai_sdk,
             tiny_model_dir,
             chat_file.id,
             validation_file=validation.id,
@@ -207,8 +196,12 @@ class TestJobs:
         assert job.user_provided_suffix == "support-bot"  # type: ignore[attr-defined]
 
         # The same job is a tuneyard run, its spec what the hyperparameters resolve to.
-        url, key = live
-        run = httpx.get(f"{url}/v1/runs/{job.id}", headers={"Authorization": f"Bearer {key}"})
+        url, key = openai_live
+        run = httpx.get(
+            f"{url}/v1/runs/{job.id}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=HTTP_TIMEOUT_S,
+        )
         spec = run.json()["spec"]
         assert spec["training"]["epochs"] == 2
         # 2 workers x 1 row x 2 accumulated micro-batches = batch_size 4.
@@ -218,25 +211,37 @@ class TestJobs:
         assert spec["dataset"]["format"] == "chat"
         assert spec["dataset"]["eval_source"].endswith(f"{validation.id}.jsonl")
 
-        assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
+        assert openai_sdk.fine_tuning.jobs.retrieve(job.id).id == job.id
 
     def test_a_model_with_fewer_positions_than_any_fixed_default_is_taken(
-        self, client: openai.OpenAI, live: tuple[str, str], tiny_model_dir: Path, chat_file: Any
+        self,
+        openai_sdk: openai.OpenAI,
+        openai_live: tuple[str, str],
+        tiny_model_dir: Path,
+        chat_file: Any,
     ) -> None:
         # OpenAI clients have no seq_length to give: the tiny GPT-2 has 128 positions, fewer
         # than the 512 a fixed default asked for. The worker chooses it from the data.
-        job = client.fine_tuning.jobs.create(
+        job = openai_sdk.fine_tuning.jobs.create(
             model=str(tiny_model_dir),
             training_file=chat_file.id,
             extra_body={"tuneyard": {"dataset": {"chat_template": TEMPLATE}}},
         )
         assert job.status == "queued"
-        url, key = live
-        run = httpx.get(f"{url}/v1/runs/{job.id}", headers={"Authorization": f"Bearer {key}"})
+        url, key = openai_live
+        run = httpx.get(
+            f"{url}/v1/runs/{job.id}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=HTTP_TIMEOUT_S,
+        )
         assert run.json()["spec"]["training"]["seq_length"] is None
 
     def test_the_extension_sets_priority_and_preemptible(
-        self, client: openai.OpenAI, live: tuple[str, str], tiny_model_dir: Path, chat_file: Any
+        self,
+        openai_sdk: openai.OpenAI,
+        openai_live: tuple[str, str],
+        tiny_model_dir: Path,
+        chat_file: Any,
     ) -> None:
         extension = {
             "dataset": {"chat_template": TEMPLATE},
@@ -244,23 +249,27 @@ class TestJobs:
             "priority": 80,
             "preemptible": False,
         }
-        job = client.fine_tuning.jobs.create(
+        job = openai_sdk.fine_tuning.jobs.create(
             model=str(tiny_model_dir),
             training_file=chat_file.id,
             extra_body={"tuneyard": extension},
         )
-        url, key = live
-        run = httpx.get(f"{url}/v1/runs/{job.id}", headers={"Authorization": f"Bearer {key}"})
+        url, key = openai_live
+        run = httpx.get(
+            f"{url}/v1/runs/{job.id}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=HTTP_TIMEOUT_S,
+        )
         assert (run.json()["spec"]["priority"], run.json()["spec"]["preemptible"]) == (80, False)
 
     def test_dpo_on_preference_pairs_with_auto_beta(
-        self, client: openai.OpenAI, tiny_model_dir: Path, tmp_path: Path
+        self, openai_sdk: openai.OpenAI, tiny_model_dir: Path, tmp_path: Path
     ) -> None:
         pair = {"prompt": "a", "chosen": "b", "rejected": "c"}
-        pairs = client.files.create(
+        pairs = openai_sdk.files.create(
             file=_jsonl(tmp_path / "p.jsonl", [pair] * 2), purpose="fine-tune"
         )
-        job = _job(client, tiny_model_dir, pairs.id, method={"type": "dpo"})
+        job = _job(openai_sdk, tiny_model_dir, pairs.id, method={"type": "dpo"})
         assert job.method is not None and job.method.type == "dpo"
         assert job.method.dpo is not None and job.method.dpo.hyperparameters is not None
         assert job.method.dpo.hyperparameters.beta == pytest.approx(0.1)
@@ -271,7 +280,7 @@ class TestJobs:
             ({"model": "/elsewhere/model"}, "model", "outside the allowed roots"),
             ({"training_file": "file_nope"}, "training_file", "no uploaded file"),
             ({"hyperparameters": {"batch_size": 3}}, "hyperparameters.batch_size", "multiple"),
-            ({"method": {"type": "reinforcement"}}, "method.type", "not offered"),
+            ({"method": {"type": "reinforcement"}}, "method.reinforcement", "its grader"),
             ({"method": {"type": "dpo"}}, "method.type", "preference"),
             ({"extra_body": {"tuneyard": {"lora": {"r": 0}}}}, "lora.r", "greater than 0"),
             ({"extra_body": {"tuneyard": {"zero": 3}}}, "tuneyard.zero", "unknown group"),
@@ -279,7 +288,7 @@ class TestJobs:
     )
     def test_bad_requests_are_400s_naming_the_param_with_nothing_stored(
         self,
-        client: openai.OpenAI,
+        openai_sdk: openai.OpenAI,
         chat_file: Any,
         tiny_model_dir: Path,
         change: dict[str, Any],
@@ -293,83 +302,85 @@ class TestJobs:
             **change,
         }
         with pytest.raises(openai.BadRequestError) as refused:
-            client.fine_tuning.jobs.create(**body)
+            openai_sdk.fine_tuning.jobs.create(**body)
         assert refused.value.param == param, refused.value.body
         assert words in refused.value.message, refused.value.message
         assert refused.value.code == "validation_error"
-        assert list(client.fine_tuning.jobs.list()) == []
+        assert list(openai_sdk.fine_tuning.jobs.list()) == []
 
     def test_list_pages_and_filters_by_metadata(
-        self, client: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
     ) -> None:
-        first = _job(client, tiny_model_dir, chat_file.id, metadata={"team": "a"})
-        second = _job(client, tiny_model_dir, chat_file.id, metadata={"team": "b"})
-        page = client.fine_tuning.jobs.list(limit=1)
+        first = _job(openai_sdk, tiny_model_dir, chat_file.id, metadata={"team": "a"})
+        second = _job(openai_sdk, tiny_model_dir, chat_file.id, metadata={"team": "b"})
+        page = openai_sdk.fine_tuning.jobs.list(limit=1)
         assert [j.id for j in page.data] == [second.id] and page.has_more
-        assert [j.id for j in client.fine_tuning.jobs.list(limit=1)] == [second.id, first.id]
-        assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "a"})] == [first.id]
+        assert [j.id for j in openai_sdk.fine_tuning.jobs.list(limit=1)] == [second.id, first.id]
+        assert [j.id for j in openai_sdk.fine_tuning.jobs.list(metadata={"team": "a"})] == [
+            first.id
+        ]
 
     def test_cancel_events_and_a_file_in_use(
-        self, client: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
     ) -> None:
-        job = _job(client, tiny_model_dir, chat_file.id)
+        job = _job(openai_sdk, tiny_model_dir, chat_file.id)
         with pytest.raises(openai.ConflictError) as in_use:
-            client.files.delete(chat_file.id)
+            openai_sdk.files.delete(chat_file.id)
         assert job.id in in_use.value.message
 
-        cancelled = client.fine_tuning.jobs.cancel(job.id)
+        cancelled = openai_sdk.fine_tuning.jobs.cancel(job.id)
         assert cancelled.status == "cancelled" and cancelled.finished_at is not None
-        assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"  # harmless again
+        assert openai_sdk.fine_tuning.jobs.cancel(job.id).status == "cancelled"  # harmless again
 
-        events = client.fine_tuning.jobs.list_events(job.id, limit=1)
+        events = openai_sdk.fine_tuning.jobs.list_events(job.id, limit=1)
         assert len(events.data) == 1 and events.has_more
         # Newest first, every page through `after`.
-        everything = list(client.fine_tuning.jobs.list_events(job.id, limit=1))
+        everything = list(openai_sdk.fine_tuning.jobs.list_events(job.id, limit=1))
         assert everything[0].message == "cancelled before it started"
         assert all(e.object == "fine_tuning.job.event" for e in everything)
         assert [e.id for e in everything] == sorted(
             (e.id for e in everything), key=lambda i: int(i.split("-")[1]), reverse=True
         )
-        assert list(client.fine_tuning.jobs.checkpoints.list(job.id)) == []
+        assert list(openai_sdk.fine_tuning.jobs.checkpoints.list(job.id)) == []
         # Once no unfinished job reads it, the file may go.
-        assert client.files.delete(chat_file.id).deleted
+        assert openai_sdk.files.delete(chat_file.id).deleted
 
     def test_resume_requeues_a_cancelled_job(
-        self, client: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
     ) -> None:
-        job = _job(client, tiny_model_dir, chat_file.id)
-        assert client.fine_tuning.jobs.pause(job.id).status == "cancelled"
-        assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+        job = _job(openai_sdk, tiny_model_dir, chat_file.id)
+        assert openai_sdk.fine_tuning.jobs.pause(job.id).status == "cancelled"
+        assert openai_sdk.fine_tuning.jobs.resume(job.id).status == "queued"
 
     def test_a_job_whose_file_was_deleted_is_not_resumed(
-        self, client: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
     ) -> None:
-        job = _job(client, tiny_model_dir, chat_file.id)
-        client.fine_tuning.jobs.cancel(job.id)
-        client.files.delete(chat_file.id)
+        job = _job(openai_sdk, tiny_model_dir, chat_file.id)
+        openai_sdk.fine_tuning.jobs.cancel(job.id)
+        openai_sdk.files.delete(chat_file.id)
         deadline = time.monotonic() + 10  # the bytes go just after the answer
         while time.monotonic() < deadline:
             try:
-                client.fine_tuning.jobs.resume(job.id)
+                openai_sdk.fine_tuning.jobs.resume(job.id)
             except openai.ConflictError as refused:
                 assert "no longer exists" in refused.message
                 break
-            client.fine_tuning.jobs.cancel(job.id)
+            openai_sdk.fine_tuning.jobs.cancel(job.id)
             time.sleep(0.05)
         else:
             raise AssertionError("resumed a job whose training file is gone")
-        assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+        assert openai_sdk.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
 
     def test_another_key_sees_no_job(
         self,
-        client: openai.OpenAI,
-        live: tuple[str, str],
+        openai_sdk: openai.OpenAI,
+        openai_live: tuple[str, str],
         chat_file: Any,
         tiny_model_dir: Path,
         session_factory: sessionmaker[Session],
     ) -> None:
-        job = _job(client, tiny_model_dir, chat_file.id)
-        url, _ = live
+        job = _job(openai_sdk, tiny_model_dir, chat_file.id)
+        url, _ = openai_live
         other_key = make_api_key(session_factory, "team-b")
         with openai.OpenAI(base_url=f"{url}/v1", api_key=other_key, max_retries=0) as other:
             with pytest.raises(openai.NotFoundError):

@@ -104,9 +104,9 @@ def quick_ray_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(sqlite_url: str) -> str:
     """SQLite only: profiles store nothing."""
-    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+    return sqlite_url
 
 
 @pytest.fixture

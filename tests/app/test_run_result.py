@@ -67,11 +67,11 @@ def problems(client: TestClient, auth: dict[str, str], body: dict[str, Any]) -> 
 
 class TestRules:
     @pytest.fixture
-    def database_url(self, tmp_path: Path) -> str:
+    def database_url(self, sqlite_url: str) -> str:
         """SQLite only: these rules are the request's, checked before anything is stored, so
         PostgreSQL would run them again for nothing (tests/app/test_validate_api.py runs
         /validate on both; TestRefused below checks, on both, that nothing is stored)."""
-        return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+        return sqlite_url
 
     def test_a_watched_request_is_valid(
         self, client: TestClient, auth: dict[str, str], tmp_path: Path

@@ -194,3 +194,14 @@ class TestSourceRoots:
             (shared / "files", "uploads"),
             (shared, "storage"),
         ]
+
+
+def test_python_graders_are_refused_where_they_cannot_be_sandboxed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap, prlimit or taskset on it
+    with pytest.raises(ValidationError) as raised:
+        Settings(python_graders=True)
+    assert "TUNEYARD_PYTHON_GRADERS" in str(raised.value)
+    assert "apt-get install bubblewrap" in str(raised.value)
+    assert Settings(python_graders=False).python_graders is False

@@ -57,6 +57,7 @@ class Received:
     headers: dict[str, str]
     body: bytes
     answered: int
+    at: float = field(default_factory=time.monotonic)  # when it arrived (monotonic clock)
 
     @property
     def payload(self) -> dict[str, Any]:

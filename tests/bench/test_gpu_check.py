@@ -180,9 +180,9 @@ def dry_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(sqlite_url: str) -> str:
     """SQLite only: these tests are about the benchmark's requests, not the data layer."""
-    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+    return sqlite_url
 
 
 @pytest.fixture

@@ -148,7 +148,10 @@ class Service:
                 if run["status"] in statuses:
                     return run
             time.sleep(0.5)
-        raise AssertionError(f"run {run_id} not {statuses} after {timeout_s}s: {run}")
+        log = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+        raise AssertionError(
+            f"run {run_id} not {statuses} after {timeout_s}s: {run}\nservice log:\n{log}"
+        )
 
 
 def step_gate_folder(home: Path) -> Path:
@@ -178,7 +181,14 @@ def make_service(
         # Runs may ask for tracking: MLflow's SQLite store needs no server (tests/worker/
         # test_tracking.py tests against a real one), W&B offline writes under WANDB_DIR.
         "TUNEYARD_MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "TUNEYARD_JOB_ENV": json.dumps({"WANDB_DIR": str(home / "wandb")}),
+        "TUNEYARD_JOB_ENV": json.dumps(
+            {
+                "WANDB_DIR": str(home / "wandb"),
+                # Ray Train's controller sees its workers finish (or fail) at its next poll,
+                # every 2 s by default; every run here ends that much sooner at 0.5 s.
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+            }
+        ),
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
         # Where a test asks a run to hold at a step (worker/step_gate.py); Ray's workers

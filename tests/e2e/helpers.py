@@ -166,6 +166,20 @@ def preference_records(
     return records
 
 
+def prompt_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """GRPO prompts as OpenAI's RFT data has them (a user turn to answer) and the word a
+    string check grader looks for in the answer."""
+    from app.cli.tiny_assets import news_lines
+
+    records = []
+    for line in news_lines(n, seed=seed):
+        words = line.split()
+        records.append(
+            {"prompt": [{"role": "user", "content": " ".join(words[:4])}], "answer": words[-1]}
+        )
+    return records
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     import json
 

@@ -24,7 +24,9 @@ from tests.e2e.helpers import (
     assert_adapter_loads,
     assert_succeeded,
     chat_records,
+    metric_series,
     preference_records,
+    prompt_records,
     run_events,
     tiny_chat_llama,
     write_jsonl,
@@ -39,7 +41,7 @@ CHOICE = re.compile(r"training\.seq_length was not set: chose (\d+) ")
 
 @dataclass(frozen=True)
 class Case:
-    method: str  # text, prompt_completion, chat, dpo, classification
+    method: str  # text, prompt_completion, chat, dpo, grpo, classification
     lora: bool
 
     @property
@@ -47,7 +49,15 @@ class Case:
         return f"{self.method}-{'lora' if self.lora else 'full'}"
 
 
-METHODS = ["text", "prompt_completion", "chat", "dpo", "classification"]
+METHODS = ["text", "prompt_completion", "chat", "dpo", "grpo", "classification"]
+# What a grpo run must name: its grader (one whose scores spread, so that steps learn).
+ANSWER_CHECK = {
+    "type": "text_similarity",
+    "name": "answer",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "evaluation_metric": "fuzzy_match",
+}
 CASES = [Case(method, lora) for method in METHODS for lora in (False, True)]
 
 
@@ -65,6 +75,7 @@ def _model(case: Case, models: Models) -> Path:
         "prompt_completion": models.llama,
         "chat": models.chat_llama,
         "dpo": models.chat_llama,
+        "grpo": models.chat_llama,
         "classification": models.bert,
     }[case.method]
 
@@ -88,6 +99,8 @@ def _dataset(case: Case, data_dir: Path) -> dict[str, Any]:
         return {"source": str(write_jsonl(path, chat_records(16))), "format": "chat"}
     if case.method == "dpo":
         return {"source": str(write_jsonl(path, preference_records(16))), "format": "preference"}
+    if case.method == "grpo":
+        return {"source": str(write_jsonl(path, prompt_records(16))), "format": "prompt"}
     lines = news_lines(32, seed=3)
     rows = [{"text": line, "label": int("shares" in line or "Markets" in line)} for line in lines]
     return {"source": str(write_jsonl(path, rows)), "label_field": "label"}
@@ -101,6 +114,8 @@ def request_for(case: Case, models: Models, data_dir: Path) -> dict[str, Any]:
     }
     if case.method == "dpo":
         body["method"] = {"type": "dpo"}
+    if case.method == "grpo":
+        body["method"] = {"type": "grpo", "grader": ANSWER_CHECK}
     if case.method == "classification":
         body["task"] = "sequence_classification"
     if case.lora:
@@ -157,7 +172,15 @@ def test_a_run_on_the_defaults_succeeds(
     base = _model(case, models)
     cap = AutoConfig.from_pretrained(base).max_position_embeddings
     assert 2 <= chosen <= cap and (chosen % 64 == 0 or chosen == cap), notes[0]
-    assert f"at most the model's maximum positions, {cap}" in notes[0], notes[0]
+    if case.method == "grpo":
+        # The prompt's share: the default completion's 256 tokens are left free.
+        assert spec["method"]["num_generations"] == 8, spec["method"]
+        assert spec["method"]["max_completion_tokens"] == 256, spec["method"]
+        limit = f"less method.max_completion_tokens (256), {cap - 256}"
+        assert f"at most the model's maximum positions {limit}" in notes[0], notes[0]
+        _assert_rewarded(service, run["id"])
+    else:
+        assert f"at most the model's maximum positions, {cap}" in notes[0], notes[0]
     # The examples here are all shorter than the models' positions: none is cut.
     assert "no example is truncated" in notes[0], notes[0]
 
@@ -174,3 +197,21 @@ def test_a_run_on_the_defaults_succeeds(
     else:
         model = auto.from_pretrained(export)
         assert model.config.model_type == AutoConfig.from_pretrained(base).model_type
+
+
+def _assert_rewarded(service: Service, run_id: str) -> None:
+    """Each step of a grpo run reports what its completions were graded, TRL's names."""
+    rewards = metric_series(service, run_id, "reward")
+    assert sorted(rewards) == list(range(1, STEPS + 1)), rewards
+    assert all(0.0 <= r <= 1.0 for r in rewards.values()), rewards
+    assert set(metric_series(service, run_id, "grade_failures").values()) == {0.0}
+    # 2 workers x 1 prompt x 8 completions of at most 256 tokens.
+    lengths = metric_series(service, run_id, "completions/mean_length").values()
+    assert all(0 < n <= 256 for n in lengths), lengths
+    flat = metric_series(service, run_id, "frac_reward_zero_std")
+    assert sorted(flat) == sorted(rewards), flat
+    # What the learned completions measure, at the steps that learned from any.
+    learned = sorted(step for step, frac in flat.items() if frac < 1.0)
+    assert learned, flat
+    for name in ("kl", "entropy", "clip_ratio/region_mean"):
+        assert sorted(metric_series(service, run_id, name)) == learned, name

@@ -44,6 +44,7 @@ from tests.e2e.helpers import (
     chat_records,
     checkpoints,
     preference_records,
+    prompt_records,
     tiny_chat_llama,
     write_jsonl,
 )
@@ -228,6 +229,8 @@ def _records(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
             "rejected": ds.get("rejected_field", "rejected"),
         }
         return [{renames.get(k, k): v for k, v in r.items()} for r in records]
+    if fmt == "prompt":
+        return _prompt_records(body, n)
     if fmt == "prompt_completion":
         return [
             {
@@ -237,6 +240,27 @@ def _records(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
             for line in lines[:n]
         ]
     return [{ds.get("text_field", "text"): line} for line in lines[:n]]
+
+
+def _prompt_records(body: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """GRPO prompts (chat messages, as OpenAI's RFT data), with every field the grader
+    reads as {{item.<field>}} (nested where its name is dotted)."""
+    from pydantic import TypeAdapter
+
+    from contract.graders.models import Grader
+
+    grader = TypeAdapter(Grader).validate_python(body["method"]["grader"])
+    records = []
+    for r in prompt_records(n):
+        record: dict[str, Any] = {body["dataset"].get("prompt_field", "prompt"): r["prompt"]}
+        for dotted in sorted(grader.item_fields()):
+            *parents, leaf = dotted.split(".")
+            where = record
+            for key in parents:
+                where = where.setdefault(key, {})
+            where[leaf] = r["answer"]
+        records.append(record)
+    return records
 
 
 def _tokens(model: Path, body: dict[str, Any], records: list[dict[str, Any]]) -> int:

@@ -133,3 +133,89 @@ def test_errors_come_back_as_the_sdks_exceptions(
     with pytest.raises(openai.BadRequestError) as unknown:
         client.fine_tuning.jobs.create(model=missing, training_file=training.id)
     assert unknown.value.param == "model" and "does not exist" in unknown.value.message
+
+
+def _rft_records(n: int) -> str:
+    """OpenAI's RFT data: the conversation to answer, and what the grader compares with."""
+    return "".join(
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": WORDS[i % len(WORDS)]}],
+                "reference_answer": WORDS[(i + 3) % len(WORDS)],
+            }
+        )
+        + "\n"
+        for i in range(n)
+    )
+
+
+GRADER = {
+    "type": "text_similarity",
+    "name": "close",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.reference_answer}}",
+    "evaluation_metric": "fuzzy_match",
+}
+
+
+def test_a_reinforcement_job_from_upload_to_its_checkpoints(
+    client: openai.OpenAI, service: Service, tiny_llama_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # The grader as OpenAI's SDK checks and runs it, on this service.
+    assert client.fine_tuning.alpha.graders.validate(grader=GRADER).grader is not None
+    graded = client.fine_tuning.alpha.graders.run(
+        grader=GRADER, model_sample="market", item={"reference_answer": "market"}
+    )
+    assert graded.reward == 1.0
+
+    training = _upload(client, service.data_dir / "sdk-rft.jsonl", _rft_records(8))
+    validation = _upload(client, service.data_dir / "sdk-rft-valid.jsonl", _rft_records(2))
+    job = client.fine_tuning.jobs.create(
+        model=str(tiny_llama_dir),
+        training_file=training.id,
+        validation_file=validation.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": GRADER,
+                "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5},
+            },
+        },
+        extra_body={
+            "tuneyard": {
+                "dataset": {"chat_template": TEMPLATE},
+                "method": {"max_completion_tokens": 8},
+                "training": {"max_steps": 2},
+                "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+                "fault_tolerance": {"max_failures": 0},
+            }
+        },
+    )
+    assert job.method.type == "reinforcement"
+
+    events = _until_done(client, job.id)
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded", (done.error, [e.message for e in events])
+    run = service.http.get(f"/v1/runs/{job.id}").json()
+    assert run["spec"]["method"]["num_generations"] == 4
+    assert "reward" in run["latest_metrics"] and "eval_reward" in run["latest_metrics"]
+
+    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert {c.step_number for c in checkpoints} == {2}, checkpoints
+    assert done.fine_tuned_model in {c.fine_tuned_model_checkpoint for c in checkpoints}
+    assert done.fine_tuned_model is not None
+    model = AutoModelForCausalLM.from_pretrained(done.fine_tuned_model)
+    assert model.config.model_type == "llama"
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.fine_tuning.jobs.create(
+            model=str(tiny_llama_dir),
+            training_file=training.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {"grader": {**GRADER, "evaluation_metric": "cosine"}},
+            },
+        )
+    assert refused.value.param is not None and "grader" in refused.value.param

@@ -10,6 +10,7 @@ comes last: it replaces that node.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -69,7 +70,9 @@ def on_two_nodes(
             "TUNEYARD_PLACEMENT_TIMEOUT_S": "20",
             # Per-cluster settings reach jobs this way: here the interface gloo's ranks
             # on the two nodes reach each other on.
-            "TUNEYARD_JOB_ENV": '{"GLOO_SOCKET_IFNAME": "lo"}',
+            "TUNEYARD_JOB_ENV": json.dumps(
+                {**json.loads(svc.env["TUNEYARD_JOB_ENV"]), "GLOO_SOCKET_IFNAME": "lo"}
+            ),
         }
     )
     with svc.running():

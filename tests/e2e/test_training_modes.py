@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from app.cli.tiny_assets import (
     write_jsonl_dataset,
@@ -50,18 +51,39 @@ def news(service: Service) -> Path:
     return write_jsonl_dataset(service.data_dir / "news-modes.jsonl", rows=1200, seed=3)
 
 
-def test_zero3_with_eval_schedule_and_verified_export(
-    service: Service, tiny_model_dir: Path, news: Path
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_models_root: Path, tiny_model_dir: Path) -> Path:
+    """The tiny GPT-2 saved in bf16, as Qwen2.5 and Llama 3 ship."""
+    folder = tiny_models_root / "gpt2-bf16"
+    if not (folder / "config.json").is_file():
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(
+            folder
+        )
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    return folder
+
+
+def test_zero3_with_eval_schedule_and_verified_export_in_fp32_from_a_bf16_checkpoint(
+    service: Service, bf16_checkpoint: Path, news: Path
 ) -> None:
+    """Also: fp32 means fp32. A checkpoint saved in bf16 trained with `precision: fp32`
+    trains and exports in fp32 (transformers 5 loads a checkpoint in its own dtype unless
+    told otherwise, which made such a run train in bf16, silently)."""
     body = _request(
-        tiny_model_dir,
+        bf16_checkpoint,
         news,
         dataset={"split": "train[:90%]", "eval_split": "train[90%:]"},
         training={"lr_scheduler": "cosine", "warmup_steps": 2, "eval_every_n_steps": 4},
-        deepspeed={"zero_stage": 3},
+        deepspeed={"zero_stage": 3, "precision": "fp32"},
     )
     run = service.wait_terminal(service.submit(body)["id"])
     assert_succeeded(service, run)
+
+    export = Path(run["output"]["model_path"])
+    assert json.loads((export / "config.json").read_text())["dtype"] == "float32"
+    weights = load_file(export / "model.safetensors")
+    assert {str(t.dtype) for t in weights.values()} == {"torch.float32"}
 
     assert sorted(metric_series(service, run["id"], "eval_loss")) == [4, 8]
     perplexity = metric_series(service, run["id"], "eval_perplexity")
@@ -69,7 +91,9 @@ def test_zero3_with_eval_schedule_and_verified_export(
     lr = metric_series(service, run["id"], "learning_rate")
     assert lr[1] < lr[2]  # warming up
     assert lr[8] < lr[3]  # cosine decay
-    assert_export_matches_engine(run, auto=AutoModelForCausalLM)
+    # fp32 to rounding: the export check's fp32 tolerance applies.
+    model = assert_export_matches_engine(run, auto=AutoModelForCausalLM)
+    assert model.dtype == torch.float32
     (hf,) = checkpoints(service, run["id"], "hf")
     assert hf["metrics"]["export_max_logit_diff"] < 1e-3
 

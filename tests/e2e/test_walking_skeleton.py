@@ -103,7 +103,7 @@ def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_d
     )
 
     # What operators see: Prometheus counts, and the run id on the service's log lines.
-    scrape = httpx.get(f"{service.base_url}/metrics").text
+    scrape = httpx.get(f"{service.base_url}/metrics", timeout=60).text
     assert re.search(r'^tuneyard_runs\{status="succeeded"\} [1-9]', scrape, re.M), scrape
     assert re.search(r"^tuneyard_dispatch_latency_seconds_count [1-9]", scrape, re.M)
     assert re.search(r'^tuneyard_callbacks_total\{kind="metrics"\} [1-9]', scrape, re.M)
@@ -114,7 +114,8 @@ def test_a_dataset_without_the_text_field_fails_naming_the_field(
     service: Service, tiny_model_dir: Path
 ) -> None:
     data = write_jsonl_dataset(service.data_dir / "wrong-field.jsonl", rows=50, field="body")
-    run = service.submit(_zero2_request(tiny_model_dir, data))
+    # One worker: every rank reads the data itself, so one fails as all would.
+    run = service.submit(_zero2_request(tiny_model_dir, data) | {"resources": {"num_workers": 1}})
 
     watched = service.cli("watch", run["id"], "--interval", "0.5")
     assert watched.returncode == 1  # scripts can rely on it: the run failed
@@ -133,6 +134,7 @@ def test_a_model_that_cannot_be_loaded_fails_naming_it(
     data = write_jsonl_dataset(service.data_dir / "news-small.jsonl", rows=50)
     body = _zero2_request(tiny_model_dir, data)
     body["model"] = "no-such-org/no-such-model"
+    body["resources"] = {"num_workers": 1}  # every rank loads the model itself
     run = service.wait_terminal(service.submit(body)["id"])
 
     assert run["status"] == "failed"

@@ -35,6 +35,12 @@ _HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port")
 # A stopped node's processes exit within seconds; `ray start --block` itself lingers about
 # 30 s more holding nothing (as app/cluster/ray_head.py's stop says), and is killed past this.
 _STOP_GRACE_S = 5.0
+# How long a node may take to count as alive: tens of seconds on a 2-core machine that the
+# rest of the suite keeps busy.
+_JOIN_TIMEOUT_S = 180.0
+# Attempts at starting a node: a port picked free may be taken before `ray start` binds it.
+_START_ATTEMPTS = 2
+_LOG_LINES = 40
 
 
 @dataclass
@@ -42,6 +48,23 @@ class RayNode:
     proc: subprocess.Popen[bytes]
     temp_dir: str
     node_manager_port: int
+    log: Path
+
+    def exited(self) -> bool:
+        """`ray start --block` ended: the node failed to start (a port taken since it was
+        picked, say) or was stopped."""
+        return self.proc.poll() is not None
+
+    def log_tail(self) -> str:
+        """The end of what `ray start` printed and of this node's raylet log."""
+        parts = [self.log]
+        parts += sorted(Path(self.temp_dir).glob("session_latest/logs/raylet.*"))
+        tails = []
+        for path in parts:
+            with contextlib.suppress(OSError):
+                lines = path.read_text(errors="replace").splitlines()[-_LOG_LINES:]
+                tails.append(f"--- {path}\n" + "\n".join(lines))
+        return "\n".join(tails)
 
     def node_id(self, cluster: TwoNodeCluster) -> str | None:
         """This node's id while the cluster counts it alive, else None."""
@@ -93,16 +116,31 @@ class TwoNodeCluster:
             ["--head", "--include-dashboard=true", "--dashboard-host=127.0.0.1"]
             + [f"{flag}={port}" for flag, port in head_ports.items()],
         )
-        head = self.head
-        _wait_for(lambda: head.node_id(self) is not None, "the head to be up")
+        self._wait_alive(self.head, "the head to be up")
         self.add_node()
 
     def add_node(self) -> RayNode:
-        """A second node, joined to the head; returns once the cluster counts it alive."""
-        node = self._start_node(f"node{len(self.nodes) + 1}", [f"--address={self.gcs_address}"])
-        self.nodes.append(node)
-        _wait_for(lambda: node.node_id(self) is not None, "the second node to join")
-        return node
+        """A second node, joined to the head; returns once the cluster counts it alive. A
+        node whose `ray start` failed is started again on other ports."""
+        name = f"node{len(self.nodes) + 1}"
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            node = self._start_node(f"{name}-{attempt}", [f"--address={self.gcs_address}"])
+            self.nodes.append(node)
+            if self._wait_alive(node, "the second node to join", last=attempt == _START_ATTEMPTS):
+                return node
+        raise AssertionError("unreachable")
+
+    def _wait_alive(self, node: RayNode, what: str, *, last: bool = True) -> bool:
+        """Whether `node` came up; a node that exited is False unless it was the `last`
+        try, and one that never came up fails, each with the node's logs."""
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        while node.node_id(self) is None:
+            if node.exited():
+                assert not last, f"{what}: `ray start` exited\n{node.log_tail()}"
+                return False
+            assert time.monotonic() < deadline, f"timed out waiting for {what}\n{node.log_tail()}"
+            time.sleep(0.5)
+        return True
 
     def head_node_id(self) -> str:
         assert self.head is not None
@@ -146,7 +184,8 @@ class TwoNodeCluster:
             **self.env,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the node outlives this call
+        log_path = self.root / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the node outlives this call
         proc = subprocess.Popen(
             [
                 str(Path(sys.executable).with_name("ray")),
@@ -164,7 +203,7 @@ class TwoNodeCluster:
             env=env,
             start_new_session=True,
         )
-        return RayNode(proc, temp_dir, ports["--node-manager-port"])
+        return RayNode(proc, temp_dir, ports["--node-manager-port"], log_path)
 
 
 def start_two_node_cluster(root: Path) -> TwoNodeCluster:
@@ -179,11 +218,3 @@ def start_two_node_cluster(root: Path) -> TwoNodeCluster:
         cluster.stop()
         raise
     return cluster
-
-
-def _wait_for(check: object, what: str, timeout_s: float = 120) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)

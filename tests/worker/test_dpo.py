@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,8 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from app.ports import free_port
 from contract.eval_metrics import PAIR_METRICS
 from contract.run_request import RunSpec
+from tests.worker.one_rank import join_one_rank_group
 from worker.data import IGNORE_INDEX
 from worker.dpo import pair_sums, sigmoid_loss, valid_pairs
 from worker.preference import PreferenceCollator, tokenize_preference
@@ -377,30 +378,15 @@ def test_a_logged_step_reports_the_means_over_its_pairs() -> None:
 # -- training steps -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _train_ours(rank: int, spec_json: str, port: int, out: str) -> None:
     """One rank: the worker's own build_training and train_step on the pairs in order."""
     import deepspeed
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
     from worker.evaluation import evaluate
     from worker.train_loop import build_training, train_step
 
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    join_one_rank_group(port)
     spec = RunSpec.model_validate_json(spec_json)
     training = build_training(spec, rank=0)
     module = training.engine.module
@@ -555,7 +541,7 @@ def test_steps_match_trls_dpo_trainer(
     spec = spec_for(
         tiny_llama_dir, source, lora=lora, zero_stage=zero_stage, accumulation=accumulation
     )
-    mp.spawn(_train_ours, args=(spec.model_dump_json(), _free_port(), str(tmp_path)), nprocs=1)
+    mp.spawn(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     ours = json.loads((tmp_path / "steps.json").read_text())
     start = torch.load(tmp_path / "start.pt")
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from app.ports import free_port
 from contract.run_request import RunSpec
+from tests.worker.one_rank import join_one_rank_group
 
 STEPS = 4
 SAVED_AT = 2
@@ -74,12 +75,6 @@ def batches(vocab: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _engine(spec: RunSpec, tokenizer: Any) -> tuple[Any, Any]:
     import deepspeed
 
@@ -116,17 +111,7 @@ def _train_ours(rank: int, spec_json: str, port: int, out: str) -> None:
     from worker.checkpoints import export_hf_model
     from worker.model_setup import load_tokenizer
 
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    join_one_rank_group(port)
     spec = RunSpec.model_validate_json(spec_json)
     tokenizer = load_tokenizer(spec)
     data = batches(len(tokenizer))
@@ -217,7 +202,7 @@ def test_lora_run_matches_peft_exports_and_resumes(
     spec = spec_for(
         tiny_llama_dir, tmp_path / "storage", stage=stage, export=export, offload=offload
     )
-    mp.spawn(_train_ours, args=(spec.model_dump_json(), _free_port(), str(tmp_path)), nprocs=1)
+    mp.spawn(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     result = json.loads((tmp_path / "result.json").read_text())
     weights = torch.load(tmp_path / "weights.pt")
     start, end = weights["start"], weights["end"]

@@ -24,6 +24,9 @@ from worker.service_client import METRICS_BATCH_POINTS, MetricsSender, ServiceCl
 
 RUN_ID = "run_42"
 TOKEN = "secret-run-token"
+# How long a flush or close may take to deliver to a local service that answers: an upper
+# bound that only a loaded machine comes near.
+SETTLE_S = 10
 
 
 @dataclass(frozen=True)
@@ -302,7 +305,7 @@ class TestMetricsSender:
             assert wait_until(lambda: len(delivered_points(service)) >= 20)
             time.sleep(0.2)  # a duplicate would arrive in the next flushes
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
 
         points = delivered_points(service)
         assert [(p["step"], p["name"], p["value"]) for p in points] == [
@@ -332,7 +335,7 @@ class TestMetricsSender:
             service.serve()  # the hung request is answered, then the rest follows
             assert wait_until(lambda: len(delivered_points(service)) >= 1001)
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
 
         steps = [p["step"] for p in delivered_points(service)]
         assert steps == [1] + [step for step in range(2, 502) for _ in range(2)]
@@ -356,7 +359,7 @@ class TestMetricsSender:
             assert wait_until(lambda: len(delivered_points(service)) >= 5)
             time.sleep(0.2)  # a duplicate would arrive in the next flushes
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
 
         assert [p["step"] for p in delivered_points(service)] == [1, 2, 3, 4, 5]
 
@@ -370,7 +373,7 @@ class TestMetricsSender:
         time.sleep(0.1)
         assert service.requests() == []  # nothing is due before the flush interval
 
-        sender.close(timeout_s=2)
+        sender.close(timeout_s=SETTLE_S)
 
         assert [(p["step"], p["value"]) for p in delivered_points(service)] == [
             (1, 1.0),
@@ -388,7 +391,7 @@ class TestMetricsSender:
             sender.log({"loss": float(step)}, step=step, progress={"step": step})
         service.serve()
 
-        sender.close(timeout_s=2)
+        sender.close(timeout_s=SETTLE_S)
 
         sizes = [len(r.body["points"]) for r in service.requests()]
         assert sizes == [METRICS_BATCH_POINTS, METRICS_BATCH_POINTS, 7]
@@ -410,9 +413,9 @@ class TestNonFiniteValuesAndLostPoints:
         sender = MetricsSender(client, flush_interval_s=60)
         try:
             sender.log({"loss": nan, "grad_norm": inf, "lr": 0.1}, step=2, progress={"step": 2})
-            assert sender.flush(timeout_s=2) is True
+            assert sender.flush(timeout_s=SETTLE_S) is True
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
 
         checkpoint, metrics = service.requests()
         assert checkpoint.body["metrics"] == {"loss": "NaN", "g": "-Infinity"}
@@ -449,7 +452,7 @@ class TestNonFiniteValuesAndLostPoints:
             sender.log({"loss": 0.5}, step=2, progress={"step": 2})
             assert wait_until(lambda: len(delivered_points(service)) >= 2)
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
 
         assert [p["step"] for p in delivered_points(service)] == [1, 2]
         assert "encoder bug" in caplog.text
@@ -468,13 +471,13 @@ class TestNonFiniteValuesAndLostPoints:
         sender = MetricsSender(client, flush_interval_s=60)
         try:
             sender.log({"loss": 1.0, "lr": 0.1}, step=1, progress={"step": 1})
-            assert sender.flush(timeout_s=2) is False
+            assert sender.flush(timeout_s=SETTLE_S) is False
             assert "refused 2 metric points" in caplog.text
             # Reported once; what follows is delivered and flushed as usual.
             sender.log({"loss": 0.9}, step=2, progress={"step": 2})
-            assert sender.flush(timeout_s=2) is True
+            assert sender.flush(timeout_s=SETTLE_S) is True
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
         assert len(service.requests()) == 2
 
     def test_flush_is_false_when_a_full_buffer_dropped_points(
@@ -486,9 +489,9 @@ class TestNonFiniteValuesAndLostPoints:
             for step in range(1, 9):  # the service is down: 8 points into a buffer of 5
                 sender.log({"loss": float(step)}, step=step, progress={"step": step})
             service.serve()
-            assert sender.flush(timeout_s=2) is False
+            assert sender.flush(timeout_s=SETTLE_S) is False
         finally:
-            sender.close(timeout_s=2)
+            sender.close(timeout_s=SETTLE_S)
         # The newest five arrived; the oldest three were lost, and flush said so.
         assert [p["step"] for p in delivered_points(service)] == [4, 5, 6, 7, 8]
 

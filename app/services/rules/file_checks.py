@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from contract.datasets import Purpose, required_fields
-from contract.records import chat_record_problem, preference_record_problem
+from contract.records import (
+    chat_record_problem,
+    preference_record_problem,
+    prompt_record_problem,
+)
 
 # Enough to show the pattern of what is wrong without flooding the response.
 MAX_REPORTED_ERRORS = 20
@@ -84,6 +88,11 @@ def checks_for(
             rejected_field=rejected_field,
         )
         return RecordChecks(record_problem=rule)
+    if purpose == "prompt":
+        # A prompt may be plain text, so a CSV file can hold prompts (and the grader's fields).
+        return RecordChecks(
+            record_problem=partial(prompt_record_problem, prompt_field=prompt_field)
+        )
     fields = required_fields(
         purpose,
         text_field=text_field,
@@ -137,8 +146,10 @@ FINE_TUNE = "fine-tune"
 
 def detect_purpose(path: Path, *, fmt: str) -> Purpose | None:
     """What an upload with OpenAI's purpose "fine-tune" holds, from its first record, as
-    OpenAI tells its formats apart: chat (`messages`), preference pairs (`prompt`,
-    `chosen`, `rejected`: DPO), prompt/completion pairs, or plain `text`; None when the
+    OpenAI tells its formats apart: chat (`messages`), reinforcement prompts (`messages`
+    ending with a turn other than the assistant's: "prompt", its prompt in `messages`),
+    preference pairs (`prompt`, `chosen`, `rejected`: DPO), prompt/completion pairs, or
+    plain `text`; None when the
     first record is none of these (or cannot be read)."""
     try:
         first = next(iter(_records(path, fmt, FileReport())), None)
@@ -147,6 +158,13 @@ def detect_purpose(path: Path, *, fmt: str) -> Purpose | None:
     if first is None:
         return None
     record = first[1]
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages:
+        last = messages[-1]
+        # OpenAI's reinforcement data: a conversation ending with the turn to answer.
+        if isinstance(last, dict) and last.get("role") != "assistant":
+            return "prompt"
+        return "chat"
     if "messages" in record:
         return "chat"
     if {"prompt", "chosen", "rejected"} <= record.keys():

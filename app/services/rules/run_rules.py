@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,12 @@ from sqlalchemy.orm import Session
 from app.errors import field_problem
 from app.services.rules.adapter_sizes import adapter_parameters, linear_weights
 from app.services.rules.evaluation_rules import evaluation_problems
-from app.services.rules.file_checks import check_file, checks_for
+from app.services.rules.file_checks import RecordProblem, check_file, checks_for
+from app.services.rules.grader_rules import (
+    missing_item_fields,
+    record_item_problem,
+    runnable_problems,
+)
 from app.services.rules.model_files import (
     chat_template_of,
     safetensors_headers,
@@ -44,8 +49,9 @@ from contract.datasets import (
     local_split_problem,
     purpose_of,
 )
-from contract.run_request import RunDefinition, RunRequest
-from contract.seq_length import max_positions_of, seq_length_cap
+from contract.graders.models import AnyGrader
+from contract.run_request import GrpoMethod, RunDefinition, RunRequest
+from contract.seq_length import completion_room, max_positions_of, seq_length_cap
 from contract.steps import StepPlan, examples_used
 from contract.storage import Storage, StorageError, is_uri
 
@@ -89,7 +95,9 @@ class CheckedRequest:
         spec = self.resolved
         if spec.training.seq_length is not None:
             return spec
-        length = self.seq_length or seq_length_cap(self.model_config)
+        length = self.seq_length or max(
+            seq_length_cap(self.model_config) - completion_room(spec), 2
+        )
         training = spec.training.model_copy(update={"seq_length": length})
         return spec.model_copy(update={"training": training})
 
@@ -103,6 +111,8 @@ class RequestPolicy:
     roots: Sequence[Path]
     webhooks: WebhookConfig = field(default_factory=WebhookConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # Whether the operator turned Python graders on (a grpo run's grader may be one).
+    python_graders: bool = False
 
 
 def check_run_request(
@@ -116,6 +126,15 @@ def check_run_request(
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=policy.roots)
     checked.problems.extend(webhook_problems(request, policy.webhooks))
     checked.problems.extend(tracking_problems(request, policy.tracking))
+    if isinstance(request.method, GrpoMethod):
+        checked.problems.extend(
+            runnable_problems(
+                request.method.grader,
+                "method.grpo.grader",
+                python_graders=policy.python_graders,
+                in_training=True,
+            )
+        )
     checked.problems.extend(
         key_tracking_problems(session, request, owner_id=owner_id, spec=checked.spec)
     )
@@ -194,6 +213,27 @@ def method_problems(req: RunRequest) -> list[Problem]:
     def add(name: str, message: str) -> None:
         problems.append(field_problem(name, message))
 
+    if method.type == "grpo":
+        if data.format != "prompt":
+            add(
+                "method.type",
+                f"grpo samples completions of prompts: it needs dataset.format 'prompt', "
+                f"got {data.format!r}",
+            )
+        if req.training.packing:
+            add("training.packing", "packing does not apply to grpo: each prompt is one row")
+        if req.deepspeed.tensor_parallel_size > 1:
+            add(
+                "deepspeed.tensor_parallel_size",
+                "grpo does not run with AutoTP yet (its ranks would sample apart what their "
+                "tensor-parallel peers must see alike); use ZeRO (stages 0-3, with offload)",
+            )
+    elif data.format == "prompt":
+        add(
+            "dataset.format",
+            'format \'prompt\' is for method {"type": "grpo"}, which samples the '
+            "completions; to learn given completions use 'prompt_completion'",
+        )
     if method.type == "dpo":
         if data.format != "preference":
             add(
@@ -209,10 +249,11 @@ def method_problems(req: RunRequest) -> list[Problem]:
             'format \'preference\' is for method {"type": "dpo"}; for supervised fine-tuning '
             "use 'chat' or 'prompt_completion'",
         )
-    if data.chat_template is not None and data.format not in ("chat", "preference"):
+    if data.chat_template is not None and data.format not in ("chat", "preference", "prompt"):
         add(
             "dataset.chat_template",
-            f"chat_template applies to formats 'chat' and 'preference', got {data.format!r}",
+            "chat_template applies to formats 'chat', 'preference' and 'prompt', got "
+            f"{data.format!r}",
         )
     if req.lora is not None and req.deepspeed.tensor_parallel_size > 1:
         add("lora", LORA_WITH_AUTOTP)
@@ -373,7 +414,17 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
 
     max_positions = max_positions_of(config)
     seq_length = req.training.seq_length
-    if max_positions is not None and seq_length is not None and seq_length > max_positions:
+    room = completion_room(req)
+    if max_positions is not None and room and (seq_length or 1) + room > max_positions:
+        problems.append(
+            field_problem(
+                "method.grpo.max_completion_tokens",
+                f"a prompt of {seq_length or 1} tokens (training.seq_length) and "
+                f"max_completion_tokens ({room}) exceed the model's maximum positions "
+                f"({max_positions})",
+            )
+        )
+    elif max_positions is not None and seq_length is not None and seq_length > max_positions:
         problems.append(
             field_problem(
                 "training.seq_length",
@@ -440,6 +491,15 @@ def _check_source(
                     f"its fields are {upload.fields}",
                 )
             )
+        if isinstance(request.method, GrpoMethod):
+            for lacking in missing_item_fields(request.method.grader, upload.fields):
+                checked.problems.append(
+                    field_problem(
+                        "method.grpo.grader",
+                        f"the grader reads {{{{item.{lacking}}}}}, but {name} ({source}) "
+                        f"has no field {lacking!r}; its fields are {upload.fields}",
+                    )
+                )
         return
     if not is_local_source(source):
         return  # a hub id (the schema checked its shape): the cluster resolves it
@@ -489,6 +549,15 @@ SAMPLED_RECORDS = 1_000
 SAMPLED_ERRORS = 5
 
 
+def _and_graded(rule: RecordProblem, grader: AnyGrader) -> RecordProblem:
+    """A record rule that also asks for every field the grader reads."""
+
+    def problem(record: dict[str, Any]) -> str | None:
+        return rule(record) or record_item_problem(grader, record)
+
+    return problem
+
+
 def sampled_record_problems(
     path: Path, req: RunRequest, *, field: str = "dataset.source"
 ) -> list[Problem]:
@@ -496,7 +565,7 @@ def sampled_record_problems(
     upload for that format is checked by, each problem with its line."""
     ds = req.dataset
     fmt = file_format(path) if path.is_file() else None
-    if fmt is None or ds.format not in ("chat", "preference"):
+    if fmt is None or ds.format not in ("chat", "preference", "prompt"):
         return []
     checks = checks_for(
         purpose_of(req.task, ds.format),
@@ -505,6 +574,11 @@ def sampled_record_problems(
         chosen_field=ds.chosen_field,
         rejected_field=ds.rejected_field,
     )
+    if isinstance(req.method, GrpoMethod) and checks.record_problem is not None:
+        checks = replace(
+            checks,
+            record_problem=_and_graded(checks.record_problem, req.method.grader),
+        )
     report = check_file(path, fmt=fmt.name, checks=checks, limit=SAMPLED_RECORDS)
     shown = report.errors[:SAMPLED_ERRORS]
     more = len(report.errors) - len(shown) + report.more_errors

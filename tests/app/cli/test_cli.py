@@ -29,7 +29,7 @@ from app.ports import free_port
 from app.services import profiles
 from app.settings import Settings
 from contract.job_env import PROFILE_ENV
-from tests.app.conftest import served
+from tests.app.conftest import HTTP_TIMEOUT_S, served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.test_profiles import ProfilingRay
 from tests.app.worker_calls import bearer, job_token, run_location
@@ -60,6 +60,7 @@ class LiveService:
             f"{self.url}/v1/internal/runs/{run_id}/{what}",
             json={"attempt": 1, **body},
             headers=bearer(token),
+            timeout=HTTP_TIMEOUT_S,
         )
         assert response.status_code == 200, response.text
 

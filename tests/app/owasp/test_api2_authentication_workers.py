@@ -144,13 +144,14 @@ class TestBadTokensTakeNoWriteLock:
         run_id: str,
         send: Callable[[], httpx.Response],
     ) -> httpx.Response:
-        """What `send` gets back while a write holds the run: within 5 s, so an answer that
-        queued behind the write fails the test."""
+        """What `send` gets back while a write holds the run: within 15 s (time to spare on a
+        loaded machine, half SQLite's 30 s busy timeout), so an answer that queued behind the
+        write, which is held until this returns, fails the test."""
         with (
             ThreadPoolExecutor(max_workers=1) as pool,
             self._writer_holding(client, database_url, session_factory, run_id),
         ):
-            return pool.submit(send).result(timeout=5)
+            return pool.submit(send).result(timeout=15)
 
     @pytest.mark.parametrize("route", ["status", "metrics"])
     def test_a_bad_token_is_refused_while_a_write_holds_the_lock(

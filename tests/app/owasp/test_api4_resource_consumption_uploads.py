@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ from app.main import create_app
 from app.services import files as files_service
 from app.services.rules import file_checks
 from app.settings import Settings
+from tests.app.conftest import HTTP_TIMEOUT_S
 from tests.conftest import make_api_key
 from tests.factories import run_request
 
@@ -159,7 +161,7 @@ class TestUploadHoldsNoWriteLock:
         def slow_check(*args: Any, **kwargs: Any) -> file_checks.FileReport:
             # Stands for a large file whose every record takes a while to check.
             checking.set()
-            release.wait(timeout=30)
+            release.wait(timeout=2 * HTTP_TIMEOUT_S)
             return real_check(*args, **kwargs)
 
         monkeypatch.setattr(files_service, "check_file", slow_check)
@@ -169,18 +171,22 @@ class TestUploadHoldsNoWriteLock:
                 client.post, "/v1/files", files={"file": ("d.jsonl", data)}, headers=auth
             )
             try:
-                assert checking.wait(timeout=10), "the upload never reached its check"
+                deadline = time.monotonic() + HTTP_TIMEOUT_S
+                while not checking.wait(timeout=0.1):
+                    # An upload refused before its check says why; a slow one gets time.
+                    assert not upload.done(), upload.result().text
+                    assert time.monotonic() < deadline, "the upload never reached its check"
                 create = pool.submit(
                     client.post, "/v1/runs", json=run_request(tmp_path), headers=auth
                 )
                 # On SQLite the upload used to hold the one writer's lock through its check:
                 # the run waited for it.
-                created = create.result(timeout=10)
+                created = create.result(timeout=HTTP_TIMEOUT_S)
                 assert created.status_code == 201, created.text
                 assert not upload.done()
             finally:
                 release.set()
-            uploaded = upload.result(timeout=30)
+            uploaded = upload.result(timeout=HTTP_TIMEOUT_S)
         assert uploaded.status_code == 201, uploaded.text
 
 

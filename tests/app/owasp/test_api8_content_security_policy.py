@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -32,9 +31,9 @@ _ONLY_SELF = ("default-src", "script-src", "style-src", "connect-src")
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(sqlite_url: str) -> str:
     """SQLite only: what is served does not depend on the database."""
-    return f"sqlite:///{tmp_path / 'tuneyard.db'}"
+    return sqlite_url
 
 
 def _directives(policy: str) -> dict[str, list[str]]:

@@ -1,0 +1,75 @@
+"""Which graders a run (method grpo) or a grader route may use here, and whether the data
+has what a grader reads: refused before any compute, naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from app.errors import field_problem
+from contract.graders.models import AnyGrader, MultiGrader, PythonGrader, ScoreModelGrader
+
+Problem = dict[str, str]
+
+PYTHON_OFF = (
+    "python graders are off on this service: they run the code they are given, so an "
+    "operator turns them on (TUNEYARD_PYTHON_GRADERS=true, with bubblewrap installed to "
+    "sandbox them)"
+)
+SCORE_MODEL_IN_RUNS = (
+    "score_model graders do not run in training yet (a model grader would need a model "
+    "served beside the run); grade with string_check, text_similarity, python or a multi "
+    "grader of those"
+)
+
+
+def leaves(grader: AnyGrader, field: str) -> list[tuple[str, AnyGrader]]:
+    """The graders that score (a multi grader's, or the grader itself), each with the field
+    that names it."""
+    if isinstance(grader, MultiGrader):
+        return [(f"{field}.graders.{key}", sub) for key, sub in grader.graders.items()]
+    return [(field, grader)]
+
+
+def python_graders_in(grader: AnyGrader, field: str) -> list[tuple[str, PythonGrader]]:
+    return [(f, g) for f, g in leaves(grader, field) if isinstance(g, PythonGrader)]
+
+
+def runnable_problems(
+    grader: AnyGrader, field: str, *, python_graders: bool, in_training: bool
+) -> list[Problem]:
+    """What of `grader` this service cannot run: Python graders where the operator left
+    them off; model graders in a training run."""
+    problems = []
+    for where, leaf in leaves(grader, field):
+        if isinstance(leaf, PythonGrader) and not python_graders:
+            problems.append(field_problem(f"{where}.type", PYTHON_OFF))
+        if isinstance(leaf, ScoreModelGrader) and in_training:
+            problems.append(field_problem(f"{where}.type", SCORE_MODEL_IN_RUNS))
+    return problems
+
+
+def item_roots(grader: AnyGrader) -> list[str]:
+    """The record fields a grader reads at the top level ({{item.answer.text}} reads
+    `answer`), in a stable order."""
+    return sorted({field.split(".", 1)[0] for field in grader.item_fields()})
+
+
+def missing_item_fields(grader: AnyGrader, fields: Iterable[str]) -> list[str]:
+    """The top-level record fields the grader reads that `fields` (a file's) lack."""
+    have = set(fields)
+    return [name for name in item_roots(grader) if name not in have]
+
+
+def record_item_problem(grader: AnyGrader, record: Mapping[str, Any]) -> str | None:
+    """Why one record cannot be graded for want of a field the grader reads, or None."""
+    for dotted in sorted(grader.item_fields()):
+        value: Any = record
+        for key in dotted.split("."):
+            if not isinstance(value, Mapping) or key not in value:
+                return (
+                    f"record has no field {dotted!r}, which the grader reads as "
+                    f"{{{{item.{dotted}}}}}"
+                )
+            value = value[key]
+    return None

@@ -1,0 +1,231 @@
+"""Method grpo in the run request: what the service accepts, its defaults as stored, and
+the 422s that name the field and the rule before any compute, with nothing stored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.storage.models import Run
+from tests.factories import run_request
+
+ANSWER_CHECK = {
+    "type": "string_check",
+    "name": "answer",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "ilike",
+}
+
+
+def _prompts(root: Path, *records: dict[str, Any]) -> Path:
+    path = root / "prompts.jsonl"
+    rows = records or (
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris"},
+    )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _grpo(root: Path, *, source: Path | None = None, **method: Any) -> dict[str, Any]:
+    return run_request(
+        root,
+        dataset={"source": str(source or _prompts(root)), "format": "prompt"},
+        method={"type": "grpo", "grader": ANSWER_CHECK, **method},
+        training={"max_steps": 2, "learning_rate": 1e-5, "batch_size_per_worker": 1},
+    )
+
+
+def _problems(client: TestClient, auth: dict[str, str], body: dict[str, Any]) -> dict[str, str]:
+    r = client.post("/v1/runs/validate", json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    return {e["field"]: e["message"] for e in r.json()["errors"]}
+
+
+def _refused(
+    client: TestClient,
+    auth: dict[str, str],
+    body: dict[str, Any],
+    session_factory: sessionmaker[Session],
+) -> dict[str, str]:
+    r = client.post("/v1/runs", json=body, headers=auth)
+    assert r.status_code == 422, r.text
+    with session_factory() as session:
+        assert session.scalar(select(func.count()).select_from(Run)) == 0
+    return {e["field"]: e["message"] for e in r.json()["detail"]}
+
+
+def test_a_grpo_run_with_only_its_grader_is_stored_with_trls_defaults(
+    client: TestClient, auth: dict[str, str], tmp_path: Path
+) -> None:
+    r = client.post("/v1/runs", json=_grpo(tmp_path), headers=auth)
+    assert r.status_code == 201, r.text
+    method = r.json()["spec"]["method"]
+    assert method == {
+        "type": "grpo",
+        "grader": ANSWER_CHECK,
+        "num_generations": 8,
+        "max_completion_tokens": 256,
+        "temperature": 1.0,
+        "beta": 0.0,
+        "epsilon": 0.2,
+        "epsilon_high": None,
+        "loss_type": "dapo",
+    }
+
+
+class TestCombinations:
+    def test_grpo_needs_prompt_data(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = run_request(tmp_path, method={"type": "grpo", "grader": ANSWER_CHECK})
+        fields = _refused(client, auth, body, session_factory)
+        assert "needs dataset.format 'prompt'" in fields["method.type"]
+
+    def test_prompt_data_needs_grpo(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = run_request(
+            tmp_path, dataset={"source": str(_prompts(tmp_path)), "format": "prompt"}
+        )
+        assert "grpo" in _problems(client, auth, body)["dataset.format"]
+
+    def test_grpo_does_not_pack(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = _grpo(tmp_path)
+        body["training"]["packing"] = True
+        assert "prompt" in _problems(client, auth, body)["training.packing"]
+
+    def test_grpo_with_autotp_is_refused_with_the_reason(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = _grpo(tmp_path)
+        body["deepspeed"] = {"zero_stage": 1, "tensor_parallel_size": 2}
+        assert "AutoTP" in _problems(client, auth, body)["deepspeed.tensor_parallel_size"]
+
+    @pytest.mark.parametrize(
+        ("method", "field"),
+        [
+            ({"num_generations": 1}, "method.grpo.num_generations"),
+            ({"epsilon": 1.5}, "method.grpo.epsilon"),
+            ({"temperature": 0}, "method.grpo.temperature"),
+            ({"loss_type": "bnpo"}, "method.grpo.loss_type"),
+            ({"grader": {**ANSWER_CHECK, "operation": "matches"}}, "method.grpo.grader"),
+        ],
+    )
+    def test_a_bad_setting_is_a_422_naming_it(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        method: dict[str, Any],
+        field: str,
+    ) -> None:
+        fields = _refused(client, auth, _grpo(tmp_path, **method), session_factory)
+        assert any(name.startswith(field) for name in fields), fields
+
+
+class TestGraders:
+    def test_a_grader_reading_a_field_the_records_lack_is_a_422(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        grader = {**ANSWER_CHECK, "reference": "{{item.solution}}"}
+        r = client.post("/v1/runs", json=_grpo(tmp_path, grader=grader), headers=auth)
+        assert r.status_code == 422, r.text
+        messages = [e["message"] for e in r.json()["detail"] if e["field"] == "dataset.source"]
+        assert any("line 1" in m and "{{item.solution}}" in m for m in messages), messages
+
+    def test_a_grader_reading_a_field_an_upload_lacks_is_a_422_on_the_grader(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        data = _prompts(tmp_path).read_bytes()
+        up = client.post(
+            "/v1/files",
+            files={"file": ("p.jsonl", data)},
+            data={"purpose": "prompt"},
+            headers=auth,
+        )
+        assert up.status_code == 201, up.text
+        body = _grpo(tmp_path, grader={**ANSWER_CHECK, "reference": "{{item.solution.text}}"})
+        body["dataset"]["source"] = up.json()["id"]
+        fields = _refused(client, auth, body, session_factory)
+        assert "'solution'" in fields["method.grpo.grader"]
+
+    def test_python_graders_are_refused_where_the_operator_left_them_off(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        python = {"type": "python", "name": "p", "source": "def grade(s, i):\n    return 1.0\n"}
+        multi = {
+            "type": "multi",
+            "name": "m",
+            "graders": {"a": ANSWER_CHECK, "code": python},
+            "calculate_output": "a + code",
+        }
+        fields = _refused(client, auth, _grpo(tmp_path, grader=multi), session_factory)
+        assert "TUNEYARD_PYTHON_GRADERS" in fields["method.grpo.grader.graders.code.type"]
+
+    def test_model_graders_do_not_run_in_training_yet(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        scorer = {
+            "type": "score_model",
+            "name": "judge",
+            "model": "gpt-4o-mini",
+            "input": [{"role": "user", "content": "Score {{sample.output_text}}"}],
+        }
+        fields = _refused(client, auth, _grpo(tmp_path, grader=scorer), session_factory)
+        assert "score_model" in fields["method.grpo.grader.type"]
+
+
+def test_prompt_and_completion_must_fit_the_models_positions(
+    client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    body = _grpo(tmp_path, max_completion_tokens=120)
+    body["model"] = str(tiny_model_dir)  # 128 positions
+    problems = _problems(client, auth, body)
+    assert "maximum positions (128)" in problems["method.grpo.max_completion_tokens"]
+    body["method"]["max_completion_tokens"] = 64
+    assert _problems(client, auth, body) == {}
+
+
+def test_an_upload_for_prompts_is_checked_line_by_line(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    bad = json.dumps({"prompt": [{"role": "assistant", "content": "hi"}]}) + "\n"
+    r = client.post(
+        "/v1/files",
+        files={"file": ("p.jsonl", bad.encode())},
+        data={"purpose": "prompt"},
+        headers=auth,
+    )
+    assert r.status_code == 422, r.text
+    assert "ends with the user turn that the completions reply to" in r.text

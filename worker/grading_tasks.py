@@ -1,0 +1,99 @@
+"""Grading a step's completions off the training process: a Ray task per rank and step,
+so that grading (a Python grader's sandbox, a long text_similarity) runs in a process of its
+own rather than in the rank's, and a grader that crashes its process fails a grade, never
+the run.
+
+The task asks for no CPU: the training workers hold the cluster's CPUs for the whole run
+(a CPU-only cluster is often exactly full), and a task that waited for one of theirs would
+wait forever. Python graders are pinned to one CPU each by their sandbox.
+
+A grade that fails (an error flag of OpenAI's, a grader that raised) is a NaN reward: it
+counts in no group's mean and gets no advantage, and the run's metrics count it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("tuneyard.worker")
+
+# Grades at once within a task: Python graders wait on their sandboxes, not on this process.
+GRADING_THREADS = 4
+
+
+@dataclass(slots=True)
+class Graded:
+    """A batch's rewards (NaN where grading failed), each multi grader's sub-rewards by
+    name, and the first few failures' descriptions."""
+
+    rewards: list[float]
+    sub_rewards: dict[str, list[float]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def grade_all(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Graded:
+    """Every completion graded against its record, here (a test or a task's body)."""
+    from pydantic import TypeAdapter
+
+    from contract.graders import grading
+    from contract.graders.models import Grader
+
+    parsed = TypeAdapter(Grader).validate_python(grader)
+    runners = _runners(parsed)
+
+    def one(pair: tuple[str, Any]) -> tuple[float, dict[str, float], str | None]:
+        text, item = pair
+        try:
+            result = grading.grade(parsed, text, item, runners)
+        except Exception as exc:  # a grader's defect must not end the run
+            return math.nan, {}, f"{type(exc).__name__}: {exc}"
+        if result.errors.any():
+            flags = [k for k, v in vars(result.errors).items() if v is True]
+            return math.nan, result.sub_rewards, ", ".join(flags)
+        if not math.isfinite(result.reward):
+            return math.nan, result.sub_rewards, "the reward is not finite"
+        return result.reward, result.sub_rewards, None
+
+    with ThreadPoolExecutor(max_workers=GRADING_THREADS) as pool:
+        results = list(pool.map(one, zip(texts, items, strict=True)))
+    graded = Graded(rewards=[r for r, _, _ in results])
+    for name in sorted({name for _, subs, _ in results for name in subs}):
+        graded.sub_rewards[name] = [subs.get(name, math.nan) for _, subs, _ in results]
+    graded.failures = [why for _, _, why in results if why][:3]
+    return graded
+
+
+def _runners(grader: Any) -> Any:
+    """Python graders run in the sandbox where this node has one; without, each such
+    grade fails saying why (the service refuses them unless its operator turned them on,
+    and a node must then have bubblewrap too)."""
+    from contract.graders.grading import Runners
+    from contract.graders.sandbox import PythonSandbox, SandboxUnavailable
+
+    try:
+        return Runners(python=PythonSandbox())
+    except SandboxUnavailable as exc:
+        log.debug("no Python grader sandbox on this node: %s", exc)
+        return Runners()
+
+
+def grade_off_rank(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Graded:
+    """`grade_all` in a Ray task where this process is part of a Ray cluster (a training
+    worker), else here."""
+    import ray
+
+    if not ray.is_initialized():
+        return grade_all(grader, texts, items)
+    return ray.get(_remote_grading().remote(grader, texts, items))
+
+
+@functools.cache
+def _remote_grading() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_retries=0)(grade_all)
