@@ -89,7 +89,13 @@ QWEN_CHAT_LORA: dict[str, Any] = {
         "packing": True,
         "gradient_checkpointing": True,
     },
-    "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"},
+    "lora": {
+        "r": 16,
+        "alpha": 32,
+        "dropout": 0.05,
+        "target_modules": "all-linear",
+        "export": "both",
+    },
     "deepspeed": {"zero_stage": 2, "precision": "bf16"},
     "resources": {"num_workers": 8, "use_gpu": True},
     "metadata": {"tutorial": "qwen-chat-lora"},
@@ -144,7 +150,8 @@ RUN_REQUEST_EXAMPLES: dict[str, dict[str, Any]] = {
         "description": "OpenAI-format conversations (an uploaded file with purpose chat "
         "works the same); "
         "the loss is on assistant turns only; rank-16 adapters on every linear layer, "
-        "packed sequences that never attend across conversations.",
+        "packed sequences that never attend across conversations; exports the adapter "
+        "and the merged model (a later run may start from either).",
         "value": QWEN_CHAT_LORA,
     },
     "dpo-lora": {

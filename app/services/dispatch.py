@@ -148,7 +148,7 @@ class Dispatcher(TickLoop):
     def dispatch_queued_runs(self) -> int:
         """Start what the scheduler admits (app/services/scheduling.py), record why the rest
         wait, and ask for the preemptions it decides; then submit the admitted to Ray."""
-        if time.monotonic() < self._ray_retry_at:
+        if time.monotonic() < self._ray_retry_at or not self._any_queued():
             return 0
         try:
             free_nodes, reported = self._free_nodes()
@@ -196,6 +196,14 @@ class Dispatcher(TickLoop):
                 waited = utcnow() - (as_utc(queued_at) or utcnow())
                 self.metrics.dispatch_latency.observe(max(waited.total_seconds(), 0.0))
         return dispatched
+
+    def _any_queued(self) -> bool:
+        """Whether a run waits. A pass over an empty queue decides nothing (queue.schedule
+        returns at once), so an idle service does not ask Ray's dashboard for its nodes'
+        usage every tick, nor take the write lock a pass takes."""
+        with self.read_session_factory() as session:
+            waiting = select(Run.id).where(Run.status == RunStatus.QUEUED).limit(1)
+            return session.scalar(waiting) is not None
 
     def _free_nodes(self) -> tuple[list[dict[str, float]] | None, bool]:
         """Each node's free resources and whether Ray reported them; (None, False) when the

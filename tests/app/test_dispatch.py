@@ -157,6 +157,41 @@ def test_after_a_scheduling_pass_the_dispatcher_rests_in_proportion_to_it(
         assert dispatcher.rest_s() == 0
 
 
+class CountingRay(ScriptedRay):
+    """Counts the dashboard reads of the nodes' usage a pass makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free = [{"CPU": 2.0}]
+        self.usage_reads = 0
+
+    def free_resources(self) -> list[dict[str, float]]:
+        self.usage_reads += 1
+        return super().free_resources()
+
+
+def test_an_idle_queue_asks_ray_nothing(
+    client: TestClient,
+    auth: dict[str, str],
+    tmp_path: Path,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+) -> None:
+    """A pass with nothing queued (every tick of an idle service) neither reads Ray's usage
+    nor submits; one with a run queued reads it once and submits the run."""
+    ray = CountingRay()
+    jobs: Any = ray
+    dispatcher = Dispatcher(settings=settings, session_factory=session_factory, jobs=jobs)
+    for _ in range(3):
+        assert dispatcher.dispatch_queued_runs() == 0
+    assert ray.usage_reads == 0 and not ray.submitted
+    _create(client, auth, tmp_path)
+    assert dispatcher.dispatch_queued_runs() == 1
+    assert ray.usage_reads == 1 and len(ray.submitted) == 1
+    assert dispatcher.dispatch_queued_runs() == 0  # the run left the queue
+    assert ray.usage_reads == 1
+
+
 class TestDispatch:
     def test_submits_a_queued_run_with_everything_the_worker_needs(
         self,

@@ -147,7 +147,7 @@ class Service:
                 run = self.http.get(f"/v1/runs/{run_id}").json()
                 if run["status"] in statuses:
                     return run
-            time.sleep(0.5)
+            time.sleep(1)  # runs take minutes here; a poll costs the service a read
         log = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
         raise AssertionError(
             f"run {run_id} not {statuses} after {timeout_s}s: {run}\nservice log:\n{log}"
@@ -171,7 +171,6 @@ def make_service(
         "TUNEYARD_HOME": str(home),
         "TUNEYARD_PORT": str(port),
         "TUNEYARD_ALLOWED_ROOTS": ":".join(str(r) for r in [*allowed_roots, data_dir]),
-        "TUNEYARD_DISPATCH_INTERVAL_S": "0.5",
         # Runs may ask for webhooks (signed with their key's secret, service-wide
         # subscribers' with this); retries fall due within a test.
         "TUNEYARD_WEBHOOK_SECRET": secrets.token_hex(16),

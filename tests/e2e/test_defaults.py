@@ -1,5 +1,5 @@
-"""The defaults users take: each fine-tuning method, in full and with LoRA at every default,
-from a request that sets only what it must — the model, the data (and the fields its
+"""The defaults users take: each fine-tuning method in full, and each LoRA path, at every
+default, from a request that sets only what it must — the model, the data (and the fields its
 format needs), `method` for DPO, `task` for classification, `lora: {}` — and
 `training.max_steps`. Everything else is the contract's default: 2 workers, ZeRO-3,
 precision auto, weight_decay 0.01, learning rate, LoRA r/alpha/dropout/all-linear/adapter
@@ -58,7 +58,18 @@ ANSWER_CHECK = {
     "reference": "{{item.answer}}",
     "evaluation_metric": "fuzzy_match",
 }
-CASES = [Case(method, lora) for method in METHODS for lora in (False, True)]
+# LoRA on a causal LM is one path whatever the data's format (prompt/completion and chat
+# differ only in their labels, which the full runs check) and model family: chat stands for
+# Llama's, text for GPT-2's (its Conv1D layers). DPO (its reference is the base with the
+# adapter off), GRPO and classification (a new head trained in full beside the adapter)
+# are LoRA paths of their own.
+LORA_METHODS = {"text", "chat", "dpo", "grpo", "classification"}
+CASES = [
+    Case(method, lora)
+    for method in METHODS
+    for lora in (False, True)
+    if not lora or method in LORA_METHODS
+]
 
 
 @dataclass

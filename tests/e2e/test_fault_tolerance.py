@@ -23,9 +23,9 @@ from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 60
-EVERY = 20
-HOLD_AT = 30  # after the checkpoint at step 20, before the one at 40 and the end
+STEPS = 30
+EVERY = 10
+HOLD_AT = 15  # after the checkpoint at step 10, before the one at 20 and the end
 
 
 def _workers_of(run_id: str) -> list[psutil.Process]:

@@ -27,6 +27,9 @@ from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
 
 pytestmark = pytest.mark.e2e
 
+# The runs a test stops mid-way (held after step 15, a checkpoint at 10 behind them).
+STEPS = 30
+
 
 def _long_request(model: Path, data: Path, *, steps: int, every: int) -> dict[str, Any]:
     return {
@@ -62,9 +65,9 @@ def test_cancel_mid_run_then_resume_continues_the_step_count(
     service: Service, tiny_model_dir: Path
 ) -> None:
     data = write_jsonl_dataset(service.data_dir / "news-life.jsonl", rows=2000, seed=7)
-    run_id = service.submit(_long_request(tiny_model_dir, data, steps=100, every=20))["id"]
-    # Held after step 30, by state: a checkpoint (step 20) exists and the run is mid-way.
-    service.wait_held(service.hold_at(run_id, 30), run_id, checkpoint=20)
+    run_id = service.submit(_long_request(tiny_model_dir, data, steps=STEPS, every=10))["id"]
+    # Held after step 15, by state: a checkpoint (step 10) exists and the run is mid-way.
+    service.wait_held(service.hold_at(run_id, 15), run_id, checkpoint=10)
 
     cancelled = service.http.post(f"/v1/runs/{run_id}/cancel")
     assert cancelled.status_code == 200
@@ -73,7 +76,7 @@ def test_cancel_mid_run_then_resume_continues_the_step_count(
     run = service.wait_terminal(run_id, timeout_s=120)
     assert run["status"] == "cancelled", run
     stopped_at = run["progress"]["step"]
-    assert stopped_at < 100
+    assert stopped_at < STEPS
 
     ray = ray_jobs_client(service)
     assert ray.get_job_status(f"{run_id}-1").value == "STOPPED"
@@ -99,7 +102,7 @@ def test_cancel_mid_run_then_resume_continues_the_step_count(
     # so the one resumed from is at least the last recorded one.)
     assert resumed_at >= first_checkpointed > 0
     assert second[0] == resumed_at + 1
-    assert second[-1] == 100
+    assert second[-1] == STEPS
     again = service.http.post(f"/v1/runs/{run_id}/cancel")
     assert again.status_code == 409
     assert "succeeded" in again.json()["detail"]
@@ -207,9 +210,9 @@ def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model
 def test_restart_the_ray_head_mid_run(own_service: Service, tiny_model_dir: Path) -> None:
     svc = own_service
     data = write_jsonl_dataset(svc.data_dir / "news-head.jsonl", rows=2000, seed=10)
-    run_id = svc.submit(_long_request(tiny_model_dir, data, steps=80, every=20))["id"]
-    # Held after step 30, by state: the checkpoint at step 20 exists, the run is mid-way.
-    svc.wait_held(svc.hold_at(run_id, 30), run_id, checkpoint=20)
+    run_id = svc.submit(_long_request(tiny_model_dir, data, steps=STEPS, every=10))["id"]
+    # Held after step 15, by state: the checkpoint at step 10 exists, the run is mid-way.
+    svc.wait_held(svc.hold_at(run_id, 15), run_id, checkpoint=10)
 
     head = json.loads((svc.home / "ray" / "head.json").read_text())
     os.killpg(head["pid"], signal.SIGKILL)  # the head and everything it ran

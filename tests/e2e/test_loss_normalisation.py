@@ -21,7 +21,7 @@ from tests.e2e.helpers import assert_succeeded, metric_series, trainer_losses
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 12
+STEPS = 6
 SEQ_LENGTH = 128
 LEARNING_RATE = 3e-3
 TOLERANCE = 1e-4
@@ -146,8 +146,10 @@ def text_reference(tiny_llama_dir: Path, text_rows: Path, tmp_path_factory: Any)
 
 @pytest.mark.parametrize(
     ("workers", "batch", "accum", "zero_stage"),
-    [(1, 4, 1, 1), (1, 2, 2, 2), (2, 1, 2, 3)],
-    ids=["batch4", "batch2-accum2", "2workers-batch1-accum2"],
+    # (One micro-batch of all four rows needs no normalising across micro-batches; ZeRO-1
+    # is proven by the packing case below.)
+    [(1, 2, 2, 2), (2, 1, 2, 3)],
+    ids=["batch2-accum2", "2workers-batch1-accum2"],
 )
 def test_text_matches_trainers_batch_of_four(
     service: Service,

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.cli.tiny_assets import (
     write_jsonl_dataset,
-    write_paraphrase_dataset,
     write_prompt_completion_dataset,
 )
 from tests.e2e.conftest import Service
@@ -217,33 +216,3 @@ def test_zero1_offload_on_a_prompt_completion_upload_takes_the_steps_validation_
     losses = metric_series(service, run["id"], "loss")
     assert max(losses) == 12
     assert losses[12] < losses[1] - 0.5
-
-
-def test_sequence_classification_with_accuracy_and_f1(
-    service: Service, tiny_bert_dir: Path
-) -> None:
-    data = write_paraphrase_dataset(service.data_dir / "mrpc-like.jsonl", rows=600)
-    body = _request(
-        tiny_bert_dir,
-        data,
-        dataset={
-            "text_field": "sentence1",
-            "text_pair_field": "sentence2",
-            "label_field": "label",
-            "split": "train[:80%]",
-            "eval_split": "train[80%:]",
-        },
-        deepspeed={"zero_stage": 3},
-    )
-    body["task"] = "sequence_classification"
-    run = service.wait_terminal(service.submit(body)["id"])
-    assert_succeeded(service, run)
-
-    accuracy = metric_series(service, run["id"], "eval_accuracy")
-    f1 = metric_series(service, run["id"], "eval_f1")
-    assert list(accuracy) == [8] and list(f1) == [8]
-    assert 0.0 <= accuracy[8] <= 1.0 and 0.0 <= f1[8] <= 1.0
-    model = assert_export_matches_engine(run, auto=AutoModelForSequenceClassification)
-    assert model.config.id2label == {0: "0", 1: "1"}
-    config = json.loads((Path(run["output"]["model_path"]) / "config.json").read_text())
-    assert config["architectures"] == ["BertForSequenceClassification"]
