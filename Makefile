@@ -18,7 +18,7 @@ TORCH_INDEX ?=
 TORCH_PIP_ARGS := $(foreach word,$(TORCH),'$(word)') \
     $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
 
-.PHONY: setup demo test test-deployments lint serve bench gpu-check clean
+.PHONY: setup demo test test-own-clusters lint serve bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -40,11 +40,12 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
-# The end-to-end tests of other deployment shapes (several nodes with object storage, a
-# shared cluster with service replicas on PostgreSQL): each builds its own Ray cluster and
-# services, more than `make test` has time for on a 2-core machine.
-test-deployments: setup
-	$(BIN)/python -m pytest -m deployments
+# The end-to-end tests that start a service and Ray cluster of their own (several nodes
+# with object storage, a shared cluster with replicas on PostgreSQL, kill -9 of the
+# service and of its Ray head, `serve --workers 2`): more than `make test` has time for on
+# a 2-core machine.
+test-own-clusters: setup
+	$(BIN)/python -m pytest -m own_cluster
 
 serve: setup
 	$(BIN)/tuneyard serve

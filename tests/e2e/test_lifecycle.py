@@ -176,6 +176,7 @@ def own_service(crashable_service: Service) -> Service:
     return crashable_service
 
 
+@pytest.mark.own_cluster
 def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model_dir: Path) -> None:
     svc = own_service
     data = write_jsonl_dataset(svc.data_dir / "news.jsonl", rows=2000, seed=9)
@@ -207,6 +208,7 @@ def test_kill_9_the_service_mid_run_and_restart(own_service: Service, tiny_model
     assert sorted(metric_series(svc, run_id, "loss")) == list(range(1, 201))
 
 
+@pytest.mark.own_cluster
 def test_restart_the_ray_head_mid_run(own_service: Service, tiny_model_dir: Path) -> None:
     svc = own_service
     data = write_jsonl_dataset(svc.data_dir / "news-head.jsonl", rows=2000, seed=10)

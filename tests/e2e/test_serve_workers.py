@@ -13,7 +13,7 @@ import pytest
 from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import make_service
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 
 def test_two_http_workers_share_the_head_and_dispatch(

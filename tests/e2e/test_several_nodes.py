@@ -29,7 +29,7 @@ from tests.e2e.conftest import Service, make_service
 from tests.e2e.helpers import assert_export_matches_engine, assert_succeeded, checkpoints
 from tests.e2e.two_nodes import TwoNodeCluster, start_two_node_cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.deployments]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 
 @pytest.fixture(scope="module")

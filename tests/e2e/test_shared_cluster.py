@@ -27,7 +27,7 @@ from tests.conftest import create_postgres_database, drop_postgres_database
 from tests.e2e.conftest import Service, make_service
 from tests.e2e.helpers import assert_succeeded
 
-pytestmark = [pytest.mark.e2e, pytest.mark.deployments]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 # The cluster: 2 CPUs. A one-worker run takes half of it, a two-worker run all of it.
 CLUSTER_CPUS = 2
