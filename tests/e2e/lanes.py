@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 from xdist.scheduler import LoadScopeScheduling
 
 LANES: dict[str, tuple[str, ...]] = {
-    # About 28 runs on the session service (GRPO's sample 8 completions of up to 256 tokens).
+    # About 31 runs on the session service (GRPO's sample 8 completions of up to 256 tokens).
     "e2e-a": (
         "test_documented_examples.py",
         "test_defaults.py",
@@ -23,15 +23,15 @@ LANES: dict[str, tuple[str, ...]] = {
         "test_fault_tolerance.py",
         "test_profile.py",
         "test_runs_that_watch_themselves.py",
+        "test_walking_skeleton.py",
     ),
-    # About 26 runs. The own-cluster tests (`make test-own-clusters`) run here when selected.
+    # About 23 runs. The own-cluster tests (`make test-own-clusters`) run here when selected.
     "e2e-b": (
         "test_fine_tune_methods.py",
         "test_openai_sdk.py",
         "test_training_modes.py",
         "test_loss_normalisation.py",
         "test_lifecycle.py",
-        "test_walking_skeleton.py",
         "test_one_rank_fails.py",
         "test_placement.py",
         "test_remote_cluster_postgres.py",
