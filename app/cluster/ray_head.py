@@ -32,7 +32,8 @@ log = logging.getLogger("tuneyard")
 STARTUP_TIMEOUT_S = 120
 # Ray's log monitor re-globs its logs folder every 0.1 s while that holds fewer than 1,000
 # files (ray/_private/log_monitor.py, `should_update_filenames`), and every run leaves a
-# dozen processes' logs there: on 2 cores, a head some runs old spent 8% of all CPU on it.
+# dozen processes' logs there: on 2 cores, the test suite's two heads, some runs old, spent
+# 8% of all the CPU on it.
 # With no threshold it looks for new files every LOG_NAME_UPDATE_INTERVAL_S (Ray's 0.5 s)
 # and still reads each from its start, so no line is lost, one is at most 0.5 s later.
 QUIET_LOG_MONITOR = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
