@@ -265,3 +265,13 @@ def test_a_failure_is_a_grade_of_zero_with_the_reason(sandbox: PythonSandbox) ->
 def test_the_defaults_are_openais() -> None:
     limits = SandboxLimits()
     assert (limits.timeout_s, limits.memory_bytes) == (120.0, 2 * 1024**3)
+
+
+def test_a_python_installed_under_tmp_stays_visible(sandbox: PythonSandbox) -> None:
+    """The empty /tmp is mounted before Python's own folders are bound, so a virtualenv
+    under /tmp (a clone in a `mktemp -d` folder) is bound over it, not hidden under it:
+    a grader there found none of its packages. (Checked by hand with a venv in /tmp.)"""
+    command = sandbox._command
+    tmpfs = command.index("--tmpfs")
+    binds = [i for i, arg in enumerate(command) if arg == "--ro-bind"]
+    assert command[tmpfs + 1] == "/tmp" and binds and tmpfs < min(binds)
