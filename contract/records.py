@@ -4,8 +4,10 @@ with (app/services/rules/file_checks.py) and that the worker applies to every re
 the cluster.
 
 Chat records are OpenAI's fine-tuning chat format:
-`{"messages": [{"role": "system" | "user" | "assistant", "content": "...", "weight"?: 0 | 1,
-"name"?: "..."}]}`. `weight` (assistant messages only) says whether a turn is learned; absent
+`{"messages": [{"role": "system" | "developer" | "user" | "assistant", "content": "...",
+"weight"?: 0 | 1, "name"?: "..."}]}`. `developer` is OpenAI's newer name for `system` (its
+RFT examples use it); it is trained as `system` (`template_role`), the role chat templates
+know. `weight` (assistant messages only) says whether a turn is learned; absent
 means 1. `name` is accepted because OpenAI's format has it; it goes to the chat template,
 which may render it or, as most do, ignore it. Tool calls are not supported: roles `tool`
 and `function` and keys such as `tool_calls` are refused with that reason, never dropped.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_KEYS = ("role", "content", "weight", "name")
 # Parts of OpenAI's format for function calling, which tuneyard does not train.
 _TOOL_ROLES = ("tool", "function")
@@ -98,6 +100,12 @@ def preference_record_problem(
     return None
 
 
+def template_role(role: str) -> str:
+    """The role a chat template renders: OpenAI's `developer` is `system` to templates,
+    which (Qwen's, Llama's, ChatML) know no `developer` and would drop or refuse it."""
+    return "system" if role == "developer" else role
+
+
 def message_weight(message: Mapping[str, Any]) -> int:
     """1 if the message is learned (OpenAI's rule: absent weight means 1), else 0. Only for
     messages that passed the checks above."""
@@ -128,9 +136,9 @@ def _message_problem(message: Any, where: str, *, weighted: bool) -> str | None:
     if role in _TOOL_ROLES:
         return f"{where}.role {role!r}: tool calls are not supported"
     if role not in ROLES:
-        hint = " (use 'system')" if role == "developer" else ""
         shown = "missing" if role is None else f"got {role!r}"
-        return f"{where}.role must be one of 'system', 'user', 'assistant', {shown}{hint}"
+        allowed = ", ".join(repr(r) for r in ROLES)
+        return f"{where}.role must be one of {allowed}, {shown}"
     for key in message:
         if message[key] is None or key in ("role", "content", "name"):
             continue

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from contract.records import chat_record_problem, message_weight
+from contract.records import chat_record_problem, message_weight, template_role
 from contract.run_request import RunSpec
 from worker.data import IGNORE_INDEX
 
@@ -178,7 +178,10 @@ def _require_template(tokenizer: Any) -> None:
 
 def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     # `weight` is for training, not for the template to render.
-    return [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+    return [
+        {k: template_role(v) if k == "role" else v for k, v in m.items() if k != "weight"}
+        for m in messages
+    ]
 
 
 def _render(

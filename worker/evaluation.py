@@ -43,7 +43,7 @@ def evaluate(
     # Summed on the device and copied to the host once: no sync per batch on a GPU.
     totals = torch.zeros(4 + 3 * num_labels, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for batch, real in zip(loader, _real_rows(loader), strict=False):
+        for batch, real in zip(loader, real_rows(loader), strict=False):
             if real < batch["labels"].shape[0]:
                 # Rows the sampler repeated so that every rank runs as many forwards.
                 batch = {**batch, "labels": batch["labels"].clone()}
@@ -91,7 +91,7 @@ def _evaluate_dpo(
     # loss sum, pairs, then the pair metrics' sums; on the device, copied to the host once.
     totals = torch.zeros(2 + len(PAIR_METRICS), dtype=torch.float64, device=device)
     with torch.no_grad():
-        for batch, real in zip(loader, _real_rows(loader), strict=False):
+        for batch, real in zip(loader, real_rows(loader), strict=False):
             rows = batch["labels"].shape[0] // 2  # pairs in the batch, repeats included
             if real < rows:
                 # Pairs the sampler repeated: both rows out (chosen rows first, then rejected).
@@ -138,7 +138,7 @@ def _count_classes(totals: Any, logits: Any, labels: Any, *, num_labels: int) ->
         totals[4 + i * num_labels : 4 + (i + 1) * num_labels] += counts
 
 
-def _real_rows(loader: Any) -> Iterator[int]:
+def real_rows(loader: Any) -> Iterator[int]:
     """How many leading rows of each batch are examples of their own.
 
     An unshuffled DistributedSampler pads the split with repeats of its first examples

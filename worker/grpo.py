@@ -320,6 +320,7 @@ def evaluate_reward(
     import torch
     import torch.distributed as dist
 
+    from worker.evaluation import real_rows
     from worker.grading_tasks import grade_off_rank
 
     method = spec.method
@@ -327,7 +328,9 @@ def evaluate_reward(
     texts: list[str] = []
     items: list[Any] = []
     with policy_for_generation(engine) as model:
-        for batch in loader:
+        for batch, real in zip(loader, real_rows(loader), strict=False):
+            # Every row is generated (under ZeRO-3 each rank joins every forward), but the
+            # repeats that pad the last ranks' share are not graded: each prompt counts once.
             completions = generator.sample(
                 model,
                 batch["input_ids"].to(device),
@@ -336,8 +339,8 @@ def evaluate_reward(
                 temperature=method.temperature,
                 greedy=True,
             )
-            texts += completions.texts
-            items += batch[RECORD]
+            texts += completions.texts[:real]
+            items += batch[RECORD][:real]
     graded = (grade or grade_off_rank)(grader_json(method), texts, items)
     rewards = torch.tensor(graded.rewards, dtype=torch.float64)
     valid = ~torch.isnan(rewards)

@@ -98,7 +98,8 @@ class TestChatUpload:
         assert _problems(response) == [
             "line 3: 'messages' has no assistant message with weight 1 (absent weight means "
             "1): nothing in the conversation would be learned",
-            "line 4: messages[1].role must be one of 'system', 'user', 'assistant', got 'bot'",
+            "line 4: messages[1].role must be one of 'system', 'developer', 'user', "
+            "'assistant', got 'bot'",
             "line 5: messages[0].weight is allowed on assistant messages only, not on 'user'",
             "line 6: record has no 'messages' (dataset.messages_field)",
         ]

@@ -31,6 +31,8 @@ class TestGoodChatRecords:
         [
             chat(USER, ASSISTANT),
             chat(SYSTEM, USER, ASSISTANT),
+            # OpenAI's newer name for system, which its RFT examples use.
+            chat({"role": "developer", "content": "Be brief."}, USER, ASSISTANT),
             # OpenAI's multi-turn example: an earlier answer kept as context only.
             chat(
                 SYSTEM,
@@ -73,16 +75,13 @@ class TestBadChatRecords:
             ),
             (
                 chat(USER, {"role": "bot", "content": "4"}),
-                "messages[1].role must be one of 'system', 'user', 'assistant', got 'bot'",
+                "messages[1].role must be one of 'system', 'developer', 'user', "
+                "'assistant', got 'bot'",
             ),
             (
                 chat({"content": "hi"}, ASSISTANT),
-                "messages[0].role must be one of 'system', 'user', 'assistant', missing",
-            ),
-            (
-                chat({"role": "developer", "content": "Be brief."}, USER, ASSISTANT),
-                "messages[0].role must be one of 'system', 'user', 'assistant', got "
-                "'developer' (use 'system')",
+                "messages[0].role must be one of 'system', 'developer', 'user', "
+                "'assistant', missing",
             ),
             (
                 chat(USER, ASSISTANT, {"role": "tool", "content": "{}", "tool_call_id": "c"}),
@@ -164,7 +163,8 @@ class TestBadChatRecords:
     def test_the_field_is_named_as_the_request_names_it(self) -> None:
         record = {"conversation": [USER, {"role": "bot", "content": "4"}]}
         assert chat_record_problem(record, messages_field="conversation") == (
-            "conversation[1].role must be one of 'system', 'user', 'assistant', got 'bot'"
+            "conversation[1].role must be one of 'system', 'developer', 'user', "
+            "'assistant', got 'bot'"
         )
         assert chat_record_problem(chat(USER, ASSISTANT), messages_field="conversation") == (
             "record has no 'conversation' (dataset.messages_field)"
@@ -244,7 +244,8 @@ class TestBadPreferenceRecords:
             ),
             (
                 pair(prompt=[{"role": "bot", "content": "x"}]),
-                "prompt[0].role must be one of 'system', 'user', 'assistant', got 'bot'",
+                "prompt[0].role must be one of 'system', 'developer', 'user', "
+                "'assistant', got 'bot'",
             ),
             (
                 pair(prompt=[{**USER, "weight": 1}]),

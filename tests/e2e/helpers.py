@@ -166,6 +166,17 @@ def preference_records(
     return records
 
 
+# A grpo grader whose scores spread on a random tiny model (so that steps learn): how close
+# the completion is to the record's `answer` (prompt_records' word).
+CLOSE_TO_ANSWER = {
+    "type": "text_similarity",
+    "name": "answer",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "evaluation_metric": "fuzzy_match",
+}
+
+
 def prompt_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
     """GRPO prompts as OpenAI's RFT data has them (a user turn to answer) and the word a
     string check grader looks for in the answer."""
@@ -178,6 +189,17 @@ def prompt_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
             {"prompt": [{"role": "user", "content": " ".join(words[:4])}], "answer": words[-1]}
         )
     return records
+
+
+def rft_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """OpenAI's RFT data: prompt_records' conversations as `messages` (every other one
+    with a `developer` turn first, as OpenAI's RFT examples write the instructions) and
+    the `answer` a grader reads."""
+    developer = {"role": "developer", "content": "Answer with one word."}
+    return [
+        {"messages": [developer] * (i % 2) + r["prompt"], "answer": r["answer"]}
+        for i, r in enumerate(prompt_records(n, seed=seed))
+    ]
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

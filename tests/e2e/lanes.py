@@ -22,11 +22,11 @@ LANES: dict[str, tuple[str, ...]] = {
         "test_dashboard.py",
         "test_fault_tolerance.py",
         "test_profile.py",
-        "test_runs_that_watch_themselves.py",
         "test_walking_skeleton.py",
     ),
-    # About 23 runs. The own-cluster tests (`make test-own-clusters`) run here when selected.
+    # About 25 runs. The own-cluster tests (`make test-own-clusters`) run here when selected.
     "e2e-b": (
+        "test_runs_that_watch_themselves.py",
         "test_fine_tune_methods.py",
         "test_openai_sdk.py",
         "test_training_modes.py",

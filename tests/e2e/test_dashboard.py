@@ -19,6 +19,7 @@ from playwright import sync_api as playwright_api
 
 from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service
+from tests.e2e.helpers import CLOSE_TO_ANSWER, prompt_records, tiny_chat_llama, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +66,30 @@ def long_run(service: Service, tiny_model_dir: Path, dataset: Path) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def short_run(service: Service, tiny_model_dir: Path, dataset: Path) -> dict[str, Any]:
+def short_run(service: Service, tiny_models_root: Path) -> dict[str, Any]:
+    """A grpo run, whose page draws its rewards too."""
+    prompts = write_jsonl(service.data_dir / "dashboard-prompts.jsonl", prompt_records(16))
     return service.submit(
-        _request(tiny_model_dir, dataset, steps=SHORT_STEPS, name="short", seed=7)
+        {
+            "model": str(tiny_chat_llama(tiny_models_root)),
+            "dataset": {
+                "source": str(prompts),
+                "format": "prompt",
+                "split": "train[:75%]",
+                "eval_split": "train[75%:]",
+            },
+            "method": {
+                "type": "grpo",
+                "grader": CLOSE_TO_ANSWER,
+                "num_generations": 4,
+                "max_completion_tokens": 8,
+            },
+            "training": {"max_steps": SHORT_STEPS, "seed": 7, "eval_every_n_steps": 4},
+            "resources": {"num_workers": 1},
+            "checkpointing": {"every_n_steps": 4, "export_hf": True},
+            "fault_tolerance": {"max_failures": 0},
+            "metadata": {"test": "dashboard", "run": "short"},
+        }
     )
 
 
@@ -208,6 +230,7 @@ def test_the_run_page_draws_the_loss_live_and_cancels_the_run(
     )
     assert service.http.get(f"/v1/runs/{long_run['id']}").json()["status"] == "running"
     assert points(page, "learning_rate") > 0 and points(page, "tokens_per_second") > 0
+    assert not page.locator("#chart-reward").is_visible()  # an sft run has no rewards
     # The request as submitted, and what /validate resolves it to.
     assert json.loads(page.locator("#spec").inner_text())["training"]["max_steps"] == LONG_STEPS
     wait_until(page, "document.querySelector('#resolved').textContent.includes('zero')")
@@ -234,6 +257,13 @@ def test_a_finished_run_shows_its_checkpoints_model_and_log(
     wait_until(
         page, f"Number(document.querySelector('#chart-loss').dataset.points) === {SHORT_STEPS}"
     )
+    # A grpo run's rewards, charted beside its loss (hidden for runs that have none).
+    wait_until(
+        page, f"Number(document.querySelector('#chart-reward').dataset.points) === {SHORT_STEPS}"
+    )
+    wait_until(page, "Number(document.querySelector('#chart-eval_reward').dataset.points) === 2")
+    assert page.locator("#chart-reward").is_visible()
+    assert "Reward" in page.locator("#run-summary").inner_text()
     checkpoints = service.http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]
     table = page.locator("#checkpoints tbody")
     wait_until(

@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.conftest import Service
 from tests.e2e.helpers import (
+    CLOSE_TO_ANSWER,
     assert_adapter_loads,
     assert_succeeded,
     chat_records,
@@ -50,14 +51,6 @@ class Case:
 
 
 METHODS = ["text", "prompt_completion", "chat", "dpo", "grpo", "classification"]
-# What a grpo run must name: its grader (one whose scores spread, so that steps learn).
-ANSWER_CHECK = {
-    "type": "text_similarity",
-    "name": "answer",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "evaluation_metric": "fuzzy_match",
-}
 # LoRA on a causal LM is one path whatever the data's format (prompt/completion and chat
 # differ only in their labels, which the full runs check) and model family: chat stands for
 # Llama's, text for GPT-2's (its Conv1D layers). DPO (its reference is the base with the
@@ -126,7 +119,7 @@ def request_for(case: Case, models: Models, data_dir: Path) -> dict[str, Any]:
     if case.method == "dpo":
         body["method"] = {"type": "dpo"}
     if case.method == "grpo":
-        body["method"] = {"type": "grpo", "grader": ANSWER_CHECK}
+        body["method"] = {"type": "grpo", "grader": CLOSE_TO_ANSWER}
     if case.method == "classification":
         body["task"] = "sequence_classification"
     if case.lora:

@@ -47,6 +47,7 @@ from tests.e2e.helpers import (
     metric_series,
     preference_records,
     prompt_records,
+    rft_records,
     tiny_chat_llama,
     write_jsonl,
 )
@@ -152,7 +153,9 @@ def test_the_documents_examples_are_all_found() -> None:
     assert any(e.via == "cli" for e in README_EXAMPLES), ids
     assert any("-curl-" in i for i in ids), ids
     assert sum("training-requests-json" in i for i in ids) >= 2, ids
-    assert len(SDK_SNIPPETS) == 1, [s.id for s in SDK_SNIPPETS]
+    # Fine-tuning on chat data, and reinforcement fine-tuning with a grader.
+    assert len(SDK_SNIPPETS) == 2, [s.id for s in SDK_SNIPPETS]
+    assert sum('"reinforcement"' in s.code for s in SDK_SNIPPETS) == 1
     assert len({e.id for e in EXAMPLES}) == len(EXAMPLES)
     offered = [e["value"] for e in RUN_REQUEST_EXAMPLES.values()]
     assert all(s in offered for s in RunRequest.model_json_schema()["examples"])
@@ -568,6 +571,21 @@ class _RunsHere(ast.NodeTransformer):
         return node
 
 
+def _hyperparameters(create: ast.Call) -> dict[str, Any]:
+    """The job's `hyperparameters`, as a keyword of `jobs.create` or inside its `method`."""
+    for kw in create.keywords:
+        if kw.arg == "hyperparameters":
+            found: dict[str, Any] = ast.literal_eval(kw.value)
+            return found
+    for node in ast.walk(create):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == "hyperparameters":
+                    found = ast.literal_eval(value)
+                    return found
+    return {}
+
+
 def _start_sdk_snippet(snippet: SdkSnippet, service: Service, assets: Assets) -> SdkJob:
     """Runs the snippet up to and including `jobs.create`; the rest runs once the job is
     done (its lines read the job's state: run now, they would see it queued)."""
@@ -576,7 +594,7 @@ def _start_sdk_snippet(snippet: SdkSnippet, service: Service, assets: Assets) ->
     assert create is not None
     kwargs = {kw.arg: kw.value for kw in create.keywords}
     documented_model = ast.literal_eval(kwargs["model"])
-    hyper = ast.literal_eval(kwargs["hyperparameters"])
+    hyper = _hyperparameters(create)
     extension = ast.literal_eval(kwargs["extra_body"])["tuneyard"]
     model = assets.model_for(snippet.id, documented_model, positions=128)
 
@@ -584,11 +602,16 @@ def _start_sdk_snippet(snippet: SdkSnippet, service: Service, assets: Assets) ->
     for call in ast.walk(tree):
         if isinstance(call, ast.Call) and ast.unparse(call.func) == "open":
             name = ast.literal_eval(call.args[0])
-            if "chat" not in name:
-                pytest.fail(f"{snippet.id}: cannot tell what data {name!r} holds")
-            # One optimizer step per epoch: `batch_size` conversations.
+            # One optimizer step per epoch: `batch_size` conversations (or prompts); a
+            # validation file of two prompts, one per worker.
             rows = hyper["batch_size"] if isinstance(hyper.get("batch_size"), int) else 8
-            files[name] = str(write_jsonl(service.data_dir / f"sdk-{name}", chat_records(rows)))
+            if "rft" in name:
+                records = rft_records(2 if "valid" in name else rows, seed=len(files))
+            elif "chat" in name:
+                records = chat_records(rows)
+            else:
+                pytest.fail(f"{snippet.id}: cannot tell what data {name!r} holds")
+            files[name] = str(write_jsonl(service.data_dir / f"sdk-{name}", records))
     tree = _RunsHere(model=str(model), files=files, base_url=f"{service.base_url}/v1").visit(tree)
     ast.fix_missing_locations(tree)
     cut = next(i for i, stmt in enumerate(tree.body) if _creates_job(stmt)) + 1
@@ -630,6 +653,16 @@ def test_the_openai_sdk_snippet_runs_as_written(
     finally:
         ns["client"].close()
     assert ns["job"].status == "succeeded", ns["job"].error
+    if ns["job"].method.type == "reinforcement":
+        # OpenAI's RFT job is tuneyard's GRPO: 8 completions per prompt, scaled by
+        # compute_multiplier; graded each step, and on the validation file at the end.
+        method = run["spec"]["method"]
+        assert method["type"] == "grpo", method
+        multiplier = job.hyperparameters.get("compute_multiplier", 1)
+        assert method["num_generations"] == round(8 * multiplier), method
+        assert set(metric_series(service, run["id"], "grade_failures").values()) == {0.0}
+        assert "eval_reward" in run["latest_metrics"], run["latest_metrics"]
+        assert checkpoints(service, run["id"], "deepspeed"), "no checkpoint recorded"
     model_path = Path(ns["model_path"])
     assert model_path.is_dir(), ns["job"]
     if "lora" in job.extension:

@@ -1,6 +1,6 @@
 """The `openai` package as a team leaving OpenAI's fine-tuning would use it, pointed at the
 real service with a real local Ray cluster: upload, create, follow the events until the job
-succeeds, list its checkpoints, load the model; and the errors it raises on the way.
+succeeds, list its checkpoints, load the model; graders; and the errors it raises on the way.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Service
+from tests.e2e.helpers import rft_records
 
 pytestmark = pytest.mark.e2e
 
@@ -135,80 +136,29 @@ def test_errors_come_back_as_the_sdks_exceptions(
     assert unknown.value.param == "model" and "does not exist" in unknown.value.message
 
 
-def _rft_records(n: int) -> str:
-    """OpenAI's RFT data: the conversation to answer, and what the grader compares with."""
-    return "".join(
-        json.dumps(
-            {
-                "messages": [{"role": "user", "content": WORDS[i % len(WORDS)]}],
-                "reference_answer": WORDS[(i + 3) % len(WORDS)],
-            }
-        )
-        + "\n"
-        for i in range(n)
-    )
-
-
 GRADER = {
     "type": "text_similarity",
     "name": "close",
     "input": "{{sample.output_text}}",
-    "reference": "{{item.reference_answer}}",
+    "reference": "{{item.answer}}",
     "evaluation_metric": "fuzzy_match",
 }
 
 
-def test_a_reinforcement_job_from_upload_to_its_checkpoints(
+def test_graders_and_a_refused_reinforcement_job(
     client: openai.OpenAI, service: Service, tiny_llama_dir: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    # The grader as OpenAI's SDK checks and runs it, on this service.
+    """The grader as OpenAI's SDK checks and runs it, on this service, and an RFT job whose
+    grader cannot run refused before any compute. (The README's RFT snippet, which
+    tests/e2e/test_documented_examples.py runs as written, trains one to its end.)"""
     assert client.fine_tuning.alpha.graders.validate(grader=GRADER).grader is not None
     graded = client.fine_tuning.alpha.graders.run(
-        grader=GRADER, model_sample="market", item={"reference_answer": "market"}
+        grader=GRADER, model_sample="market", item={"answer": "market"}
     )
     assert graded.reward == 1.0
 
-    training = _upload(client, service.data_dir / "sdk-rft.jsonl", _rft_records(8))
-    validation = _upload(client, service.data_dir / "sdk-rft-valid.jsonl", _rft_records(2))
-    job = client.fine_tuning.jobs.create(
-        model=str(tiny_llama_dir),
-        training_file=training.id,
-        validation_file=validation.id,
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": GRADER,
-                "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5},
-            },
-        },
-        extra_body={
-            "tuneyard": {
-                "dataset": {"chat_template": TEMPLATE},
-                "method": {"max_completion_tokens": 8},
-                "training": {"max_steps": 2},
-                "deepspeed": {"zero_stage": 2, "precision": "fp32"},
-                "fault_tolerance": {"max_failures": 0},
-            }
-        },
-    )
-    assert job.method.type == "reinforcement"
-
-    events = _until_done(client, job.id)
-    done = client.fine_tuning.jobs.retrieve(job.id)
-    assert done.status == "succeeded", (done.error, [e.message for e in events])
-    run = service.http.get(f"/v1/runs/{job.id}").json()
-    assert run["spec"]["method"]["num_generations"] == 4
-    assert "reward" in run["latest_metrics"] and "eval_reward" in run["latest_metrics"]
-
-    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
-    assert {c.step_number for c in checkpoints} == {2}, checkpoints
-    assert done.fine_tuned_model in {c.fine_tuned_model_checkpoint for c in checkpoints}
-    assert done.fine_tuned_model is not None
-    model = AutoModelForCausalLM.from_pretrained(done.fine_tuned_model)
-    assert model.config.model_type == "llama"
-
+    text = "".join(json.dumps(r) + "\n" for r in rft_records(8))
+    training = _upload(client, service.data_dir / "sdk-rft.jsonl", text)
     with pytest.raises(openai.BadRequestError) as refused:
         client.fine_tuning.jobs.create(
             model=str(tiny_llama_dir),

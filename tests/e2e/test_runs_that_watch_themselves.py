@@ -1,6 +1,7 @@
 """A run that watches itself, end to end on real Ray and DeepSpeed: it stops early, keeps
 and marks its best checkpoint, exports the best weights rather than the last, and tells a
-webhook receiver on loopback what happened, signed. (The export of the best checkpoint under
+webhook receiver on loopback what happened, signed. A grpo run does the same by its
+`eval_reward`, across a cancel and a resume. (The export of the best checkpoint under
 AutoTP is proven by tests/e2e/test_training_modes.py's AutoTP run at ZeRO-1.)"""
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import torch
 from app.cli.tiny_assets import write_jsonl_dataset
 from tests.app.test_webhooks import Receiver, receiving
 from tests.e2e.conftest import Service
-from tests.e2e.helpers import assert_succeeded, checkpoints, metric_series
+from tests.e2e.helpers import (
+    CLOSE_TO_ANSWER,
+    assert_succeeded,
+    checkpoints,
+    metric_series,
+    prompt_records,
+    run_events,
+    tiny_chat_llama,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -174,3 +184,77 @@ def test_tracked_to_mlflow_and_wandb(service: Service, watched_run: dict[str, An
     logged = _wandb_run(list(wandb_records(log)))
     assert logged["id"] == run_id and logged["exit_code"] == 0
     assert {step for step, row in logged["history"].items() if "eval_loss" in row} == {1, 2, 3}
+
+
+GRPO_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def grpo_resumed(service: Service, tiny_models_root: Path) -> dict[str, Any]:
+    """A grpo run that evaluates and checkpoints every 2 steps and keeps its best by
+    eval_reward (the default metric of a run with a grader, and mode max), cancelled after
+    step 3 (its checkpoint at 2 recorded), then resumed to its end."""
+    data = write_jsonl(service.data_dir / "grpo-watched.jsonl", prompt_records(24, seed=5))
+    body = {
+        "model": str(tiny_chat_llama(tiny_models_root)),
+        "dataset": {
+            "source": str(data),
+            "format": "prompt",
+            "split": "train[:75%]",
+            "eval_split": "train[75%:]",
+        },
+        "method": {
+            "type": "grpo",
+            "grader": CLOSE_TO_ANSWER,
+            "num_generations": 4,
+            "max_completion_tokens": 8,
+        },
+        "training": {"max_steps": GRPO_STEPS, "eval_every_n_steps": 2},
+        "resources": {"num_workers": 2},
+        "checkpointing": {"every_n_steps": 2, "keep_last": 1},
+        "export": {"from": "best"},
+    }
+    run_id = service.submit(body)["id"]
+    service.wait_held(service.hold_at(run_id, 3), run_id, checkpoint=2)
+    assert service.http.post(f"/v1/runs/{run_id}/cancel").status_code == 200
+    assert service.wait_terminal(run_id, timeout_s=120)["status"] == "cancelled"
+    resumed = service.http.post(f"/v1/runs/{run_id}/resume")
+    assert resumed.status_code == 200, resumed.text
+    run = service.wait_terminal(run_id)
+    assert_succeeded(service, run)
+    return run
+
+
+def test_a_resumed_grpo_run_continues_from_its_checkpoint(
+    service: Service, grpo_resumed: dict[str, Any]
+) -> None:
+    run_id = grpo_resumed["id"]
+    assert grpo_resumed["attempt"] == 2
+    resumed = [e for e in run_events(service, run_id) if e["type"] == "resumed"]
+    assert len(resumed) == 1 and "step 2" in resumed[0]["message"], resumed
+    page = service.http.get(
+        f"/v1/runs/{run_id}/metrics", params={"name": "reward", "limit": 1000}
+    ).json()["data"]
+    steps = {n: sorted(m["step"] for m in page if m["attempt"] == n) for n in (1, 2)}
+    # Attempt 1 held after step 3; attempt 2 restarted after the checkpoint at 2.
+    assert steps[1] == [1, 2, 3] and steps[2] == [3, 4, 5, 6], steps
+    assert all(0.0 <= m["value"] <= 1.0 for m in page), page
+
+
+def test_a_grpo_run_keeps_and_exports_its_best_by_eval_reward(
+    service: Service, grpo_resumed: dict[str, Any]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    run_id = grpo_resumed["id"]
+    rewards = metric_series(service, run_id, "eval_reward")
+    assert sorted(rewards) == [2, 4, 6], rewards
+    result = grpo_resumed["result"]
+    assert result["best_metric"] == "eval_reward"
+    assert result["best_value"] == max(rewards.values())
+    assert rewards[result["best_step"]] == result["best_value"]
+    listed = checkpoints(service, run_id, "deepspeed")
+    assert [c["step"] for c in listed if c["best"]] == [result["best_step"]]
+    (export,) = checkpoints(service, run_id, "hf")
+    assert export["step"] == result["best_step"]
+    AutoModelForCausalLM.from_pretrained(grpo_resumed["output"]["model_path"])

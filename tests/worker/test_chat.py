@@ -125,6 +125,15 @@ class TestLabels:
         assert targets.count(im_end) == 2
         assert im_start not in targets
 
+    def test_a_developer_message_is_rendered_as_system(self, chatml: Any) -> None:
+        # OpenAI's `developer` is `system` to a chat template (ChatML knows no developer).
+        as_developer = [{**CONVERSATION[0], "role": "developer"}, *CONVERSATION[1:]]
+        assert CONVERSATION[0]["role"] == "system"
+        assert encode_conversation(as_developer, chatml) == encode_conversation(
+            CONVERSATION, chatml
+        )
+        assert render_prompt(as_developer[:2], chatml) == render_prompt(CONVERSATION[:2], chatml)
+
     def test_labels_match_transformers_assistant_mask_from_generation_markers(
         self, chatml: Any
     ) -> None:

@@ -297,14 +297,14 @@ class TestEvalShards:
     def real_rows(size: int, ranks: int, rank: int, batch: int) -> list[int]:
         from torch.utils.data import DataLoader, DistributedSampler
 
-        from worker.evaluation import _real_rows
+        from worker.evaluation import real_rows
 
         examples = list(range(size))
         sampler: DistributedSampler[int] = DistributedSampler(
             examples, num_replicas=ranks, rank=rank, shuffle=False, drop_last=False
         )
         loader = DataLoader(examples, batch_size=batch, sampler=sampler)
-        seen = [(len(b), real) for b, real in zip(loader, _real_rows(loader), strict=False)]
+        seen = [(len(b), real) for b, real in zip(loader, real_rows(loader), strict=False)]
         # The rows counted over every rank are each example once.
         return [real for _, real in seen]
 

@@ -153,3 +153,72 @@ def test_steps_sample_grade_and_update(
             assert step["kl"] >= 0.0
     assert result["moved"] > 0.0, "the policy never moved"
     assert 0.0 <= result["eval"]["eval_reward"] <= 1.0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_eval_reward_counts_each_prompt_once_over_ranks(batch_size: int) -> None:
+    """Three evaluation prompts over two ranks: DistributedSampler pads rank 1's share
+    with a repeat of prompt 0 so that both ranks generate as often (ZeRO-3's forwards are
+    collective); the repeat is generated but not graded, so each prompt counts once."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from worker.generation import Completions
+    from worker.grading_tasks import Graded
+    from worker.grpo import evaluate_reward
+    from worker.prompts import RECORD, PromptCollator
+
+    rows = [{"input_ids": [5 + i, 6 + i], RECORD: json.dumps({"answer": str(i)})} for i in range(3)]
+
+    class EchoGenerator:
+        """Answers each prompt with its own first token, as text."""
+
+        def sample(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, **_: Any) -> Any:
+            texts = [str(int(row[m.bool()][0]) - 5) for row, m in zip(ids, mask, strict=True)]
+            n = len(texts)
+            return Completions(
+                ids=torch.zeros(n, 1, dtype=torch.long),
+                mask=torch.ones(n, 1, dtype=torch.long),
+                texts=texts,
+                ended=torch.ones(n, dtype=torch.bool),
+            )
+
+    graded_items: list[Any] = []
+
+    def grade(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Graded:
+        graded_items.extend(items)
+        # Prompt 0 scores 1, the others 0: a repeat of prompt 0 graded would lift the mean.
+        return Graded(rewards=[1.0 if t == "0" else 0.0 for t in texts])
+
+    spec = RunSpec.model_validate(
+        {
+            "run_id": "run_eval",
+            "attempt": 1,
+            "storage_path": "/unused",
+            "model": "/unused",
+            "dataset": {"source": "/unused", "format": "prompt"},
+            "method": {"type": "grpo", "grader": GRADER},
+            "resources": {"num_workers": 2},
+        }
+    )
+    engine = SimpleNamespace(module=torch.nn.Linear(1, 1), zero_optimization_stage=lambda: 0)
+    rewards = []
+    for rank in (0, 1):
+        sampler: Any = DistributedSampler(rows, num_replicas=2, rank=rank, shuffle=False)
+        loader = DataLoader(
+            rows, batch_size=batch_size, sampler=sampler, collate_fn=PromptCollator(0)
+        )
+        result = evaluate_reward(
+            engine,
+            loader,
+            spec=spec,
+            device=torch.device("cpu"),
+            group=None,
+            generator=EchoGenerator(),  # type: ignore[arg-type]
+            grade=grade,
+        )
+        rewards.append(result["eval_reward"])
+    assert sorted(item["answer"] for item in graded_items) == ["0", "1", "2"]
+    # Rank 0 graded prompts 0 and 2, rank 1 prompt 1 (alone: no group to add it up here).
+    assert rewards == [0.5, 0.0]

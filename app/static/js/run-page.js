@@ -13,6 +13,9 @@ const CHARTS = {
   learning_rate: "learning rate",
   tokens_per_second: "tokens/s",
   eval_loss: "eval loss",
+  // Method grpo's: shown once the run reports one (other methods have none).
+  reward: "reward",
+  eval_reward: "eval reward",
 };
 
 const runId = decodeURIComponent(location.pathname.split("/")[2] || "");
@@ -52,6 +55,7 @@ function renderRun() {
     // Only while queued: its place in the scheduler's order and why it waits.
     ...(run.queue ? [["Queue", `#${run.queue.position ?? "?"} · ${run.queue.reason || "waiting for the scheduler"}`]] : []),
     ["Loss", number(latest.loss)],
+    ...(latest.reward !== undefined ? [["Reward", number(latest.reward)]] : []),
     ["Tokens/s", number(latest.tokens_per_second)],
     ["Created", dateTime(run.created_at)],
     ["Duration", duration(run.started_at, run.finished_at)],
@@ -175,7 +179,10 @@ async function loadValidation() {
 function onStreamEvent(event) {
   if (event.type === "metric") {
     const m = JSON.parse(event.data);
-    if (m.name in charts && m.value !== null) charts[m.name].add(`attempt ${m.attempt}`, m.step, m.value);
+    if (m.name in charts && m.value !== null) {
+      charts[m.name].element.hidden = false;
+      charts[m.name].add(`attempt ${m.attempt}`, m.step, m.value);
+    }
   } else if (event.type === "event") {
     addEvent(JSON.parse(event.data));
   } else if (event.type === "end") {
