@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from contract.bounds import INT32_MAX, refuse_nul
-from contract.eval_metrics import Mode, default_mode
+from contract.eval_metrics import Mode, default_mode, eval_metric_names
 from contract.examples import (
     BERT_MRPC_ZERO3,
     DPO_LORA,
@@ -331,8 +331,9 @@ class CheckpointingSpec(BaseModel):
         default=None,
         description="An evaluation metric (eval_loss, eval_accuracy, ...) that ranks the "
         "checkpoints: the best one is marked in the checkpoints list and kept whatever "
-        "keep_last says. Unset: early_stopping's metric, or eval_loss with export.from "
-        "'best'. Needs evaluation; a checkpoint is then saved at every evaluation.",
+        "keep_last says. Unset: early_stopping's metric, or eval_loss (eval_reward for "
+        "method grpo) with export.from 'best'. Needs evaluation; a checkpoint is then saved "
+        "at every evaluation.",
     )
     best_mode: Mode | None = Field(
         default=None,
@@ -352,7 +353,8 @@ class EarlyStoppingSpec(BaseModel):
         default="eval_loss",
         description="An evaluation metric of the run's task and method: eval_loss, "
         "eval_perplexity; eval_accuracy, eval_f1 for classification; for dpo eval_loss and "
-        "eval_rewards/accuracies, eval_rewards/margins, ...",
+        "eval_rewards/accuracies, eval_rewards/margins, ...; for grpo eval_reward (its "
+        "default there: a grpo run has no eval_loss).",
     )
     mode: Mode | None = Field(
         default=None,
@@ -376,7 +378,8 @@ class ExportSpec(BaseModel):
         default="last",
         alias="from",
         description="last: the weights at the end of training; best: those of the best "
-        "checkpoint by checkpointing.best_metric (or early_stopping.metric, or eval_loss).",
+        "checkpoint by checkpointing.best_metric (or early_stopping.metric, or eval_loss; "
+        "eval_reward for method grpo).",
     )
 
 
@@ -558,8 +561,10 @@ class GrpoMethod(BaseModel):
     type: Literal["grpo"]
     grader: Grader = Field(
         description="What scores a completion: one of OpenAI's grader objects (string_check, "
-        "text_similarity, python, multi), reading the completion as {{sample.output_text}} "
-        "and the record's fields as {{item.<field>}}."
+        "text_similarity, python, score_model, multi), reading the completion as "
+        "{{sample.output_text}} and the record's fields as {{item.<field>}}. A score_model "
+        "grader's model (a hub id, a local folder or an earlier run) is loaded on each "
+        "training rank and answers on its device."
     )
     num_generations: int = Field(
         default=8,
@@ -691,18 +696,34 @@ class RunDefinition(BaseModel):
     def data_parallel_size(self) -> int:
         return self.resources.num_workers // self.deepspeed.tensor_parallel_size
 
+    @model_validator(mode="after")
+    def _early_stopping_on_a_metric_the_run_has(self) -> RunDefinition:
+        # early_stopping.metric's default, eval_loss, is no metric of method grpo: left
+        # unset, it is the method's first (eval_reward there, eval_loss everywhere else).
+        es = self.early_stopping
+        if es is not None and "metric" not in es.model_fields_set:
+            es.metric = self.primary_eval_metric
+        return self
+
+    @property
+    def primary_eval_metric(self) -> str:
+        """The evaluation metric that ranks checkpoints when the request names none."""
+        return eval_metric_names(task=self.task, method=self.method.type)[0]
+
     @property
     def best_criterion(self) -> tuple[str, Mode] | None:
         """The metric and direction that rank this run's checkpoints, or None: explicit
-        (checkpointing.best_metric), else early stopping's, else eval_loss when the export
-        is to come from the best checkpoint."""
+        (checkpointing.best_metric), else early stopping's, else the method's first
+        evaluation metric (eval_loss; eval_reward for grpo) when the export is to come from
+        the best checkpoint."""
         ck = self.checkpointing
         if ck.best_metric is not None:
             return ck.best_metric, ck.best_mode or default_mode(ck.best_metric)
         if self.early_stopping is not None:
             return self.early_stopping.metric, self.early_stopping.resolved_mode
         if self.export.from_ == "best":
-            return "eval_loss", ck.best_mode or "min"
+            metric = self.primary_eval_metric
+            return metric, ck.best_mode or default_mode(metric)
         return None
 
     @classmethod

@@ -58,6 +58,43 @@ class TestWhatTheWorkerReceives:
         assert spec.data_parallel_size == 4
 
 
+GRADER = {
+    "type": "string_check",
+    "name": "answer",
+    "operation": "eq",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+}
+
+
+class TestTheMetricThatRanksCheckpoints:
+    """Unnamed, it is the method's first evaluation metric: a grpo run has eval_reward and
+    no eval_loss (its export from the best checkpoint once failed at the first evaluation,
+    asking for eval_loss)."""
+
+    def test_export_from_best_ranks_by_eval_loss_or_a_grpo_runs_eval_reward(self) -> None:
+        best = {"export": {"from": "best"}}
+        assert _spec(**best).best_criterion == ("eval_loss", "min")
+        grpo = {"method": {"type": "grpo", "grader": GRADER}}
+        assert _spec(**best, **grpo).best_criterion == ("eval_reward", "max")
+        assert _spec(**grpo).best_criterion is None
+
+    def test_early_stopping_watches_the_same_unless_named(self) -> None:
+        grpo = {"method": {"type": "grpo", "grader": GRADER}}
+        spec = _spec(early_stopping={"patience": 2}, **grpo)
+        assert spec.early_stopping is not None
+        assert (spec.early_stopping.metric, spec.early_stopping.resolved_mode) == (
+            "eval_reward",
+            "max",
+        )
+        assert spec.best_criterion == ("eval_reward", "max")
+        # Stored and read back (the worker's copy), it stays what it resolved to.
+        assert RunSpec.model_validate_json(spec.model_dump_json()) == spec
+        named = _spec(early_stopping={"metric": "eval_loss"}, **grpo)
+        assert named.early_stopping is not None and named.early_stopping.metric == "eval_loss"
+        assert _spec(early_stopping={}).early_stopping.metric == "eval_loss"  # type: ignore[union-attr]
+
+
 class TestFaultToleranceBudgets:
     def test_both_budgets_have_defaults(self) -> None:
         budgets = RunRequest.model_validate(_request()).fault_tolerance
