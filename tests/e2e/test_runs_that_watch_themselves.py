@@ -236,8 +236,9 @@ def test_a_resumed_grpo_run_continues_from_its_checkpoint(
         f"/v1/runs/{run_id}/metrics", params={"name": "reward", "limit": 1000}
     ).json()["data"]
     steps = {n: sorted(m["step"] for m in page if m["attempt"] == n) for n in (1, 2)}
-    # Attempt 1 held after step 3; attempt 2 restarted after the checkpoint at 2.
-    assert steps[1] == [1, 2, 3] and steps[2] == [3, 4, 5, 6], steps
+    # Attempt 1 held after step 3 (whose metrics may still have been on their way when the
+    # cancel stopped it); attempt 2 restarted after the checkpoint at 2.
+    assert steps[1] in ([1, 2], [1, 2, 3]) and steps[2] == [3, 4, 5, 6], steps
     assert all(0.0 <= m["value"] <= 1.0 for m in page), page
 
 
