@@ -9,6 +9,10 @@ wait forever. Python graders are pinned to one CPU each by their sandbox.
 
 A grade that fails (an error flag of OpenAI's, a grader that raised) is a NaN reward: it
 counts in no group's mean and gets no advantage, and the run's metrics count it.
+
+A score_model grader's judge runs on the training rank, which holds the device
+(worker/judge.py); its answers come here as `replies`, and the grade reads them, so that
+a multi grader mixing a judge with other graders grades in one place.
 """
 
 from __future__ import annotations
@@ -36,8 +40,17 @@ class Graded:
     failures: list[str] = field(default_factory=list)
 
 
-def grade_all(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Graded:
-    """Every completion graded against its record, here (a test or a task's body)."""
+def grade_all(
+    grader: dict[str, Any],
+    texts: list[str],
+    items: list[Any],
+    replies: dict[str, list[Any]] | None = None,
+) -> Graded:
+    """Every completion graded against its record, here (a test or a task's body).
+    `replies`: the score_model graders' answers (contract.graders.score_model.JudgeReply),
+    by grader key, one per completion; without them such a grader fails saying why."""
+    import dataclasses
+
     from pydantic import TypeAdapter
 
     from contract.graders import grading
@@ -46,10 +59,13 @@ def grade_all(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Gra
     parsed = TypeAdapter(Grader).validate_python(grader)
     runners = _runners(parsed)
 
-    def one(pair: tuple[str, Any]) -> tuple[float, dict[str, float], str | None]:
-        text, item = pair
+    def one(entry: tuple[int, tuple[str, Any]]) -> tuple[float, dict[str, float], str | None]:
+        index, (text, item) = entry
+        these = runners
+        if replies is not None:
+            these = dataclasses.replace(runners, model=grading.judged(parsed, replies, index))
         try:
-            result = grading.grade(parsed, text, item, runners)
+            result = grading.grade(parsed, text, item, these)
         except Exception as exc:  # a grader's defect must not end the run
             return math.nan, {}, f"{type(exc).__name__}: {exc}"
         if result.errors.any():
@@ -60,7 +76,7 @@ def grade_all(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Gra
         return result.reward, result.sub_rewards, None
 
     with ThreadPoolExecutor(max_workers=GRADING_THREADS) as pool:
-        results = list(pool.map(one, zip(texts, items, strict=True)))
+        results = list(pool.map(one, enumerate(zip(texts, items, strict=True))))
     graded = Graded(rewards=[r for r, _, _ in results])
     for name in sorted({name for _, subs, _ in results for name in subs}):
         graded.sub_rewards[name] = [subs.get(name, math.nan) for _, subs, _ in results]
@@ -82,14 +98,19 @@ def _runners(grader: Any) -> Any:
         return Runners()
 
 
-def grade_off_rank(grader: dict[str, Any], texts: list[str], items: list[Any]) -> Graded:
+def grade_off_rank(
+    grader: dict[str, Any],
+    texts: list[str],
+    items: list[Any],
+    replies: dict[str, list[Any]] | None = None,
+) -> Graded:
     """`grade_all` in a Ray task where this process is part of a Ray cluster (a training
     worker), else here."""
     import ray
 
     if not ray.is_initialized():
-        return grade_all(grader, texts, items)
-    return ray.get(_remote_grading().remote(grader, texts, items))
+        return grade_all(grader, texts, items, replies)
+    return ray.get(_remote_grading().remote(grader, texts, items, replies))
 
 
 @functools.cache

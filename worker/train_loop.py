@@ -115,6 +115,9 @@ class Training:
     # Method dpo (and grpo with a KL term): what the policy is compared with (worker/dpo.py).
     reference: Any = None
     generator: Any = None  # method grpo: what samples its completions (worker/generation.py)
+    # Method grpo with a score_model grader: grading that asks its judges on this rank first
+    # (worker/judge.py); None grades as worker/grpo.py does by default.
+    grade: Any = None
 
 
 def build_training(spec: RunSpec, *, rank: int) -> Training:
@@ -172,6 +175,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         zero3_config=loaded.zero3_config,
         reference=reference,
         generator=_generator(spec, tokenizer),
+        grade=_judged_grading(spec, device=device, zero3_config=loaded.zero3_config),
     )
 
 
@@ -181,6 +185,16 @@ def _generator(spec: RunSpec, tokenizer: Any) -> Any:
     from worker.generation import HfGenerator
 
     return HfGenerator(tokenizer)
+
+
+def _judged_grading(spec: RunSpec, *, device: Any, zero3_config: Any) -> Any:
+    from contract.graders.score_model import judged_leaves
+
+    if spec.method.type != "grpo" or not judged_leaves(spec.method.grader):
+        return None
+    from worker.judge import Judges
+
+    return Judges(device=device, zero3_config=zero3_config).grade
 
 
 def model_hidden_size(spec: RunSpec) -> int | None:
@@ -304,6 +318,7 @@ class Attempt:
                 group=self.sinks.group,
                 generator=self.training.generator,
                 reference=self.training.reference,
+                grade=self.training.grade,
             )
         else:
             result = train_step(
@@ -339,6 +354,7 @@ class Attempt:
                 device=self.training.device,
                 group=self.sinks.group,
                 generator=self.training.generator,
+                grade=self.training.grade,
             )
             self.sinks.log_eval(metrics, step=self.step)
             self.watch.observe(metrics, step=self.step)

@@ -36,9 +36,7 @@ _RESPONSES = openai_responses(
 
 def _refuse_unrunnable(grader: AnyGrader, state: AppState) -> bool:
     """Whether `grader` runs Python; a 400 where this service does not run Python graders."""
-    problems = runnable_problems(
-        grader, "grader", python_graders=state.graders.python is not None, in_training=False
-    )
+    problems = runnable_problems(grader, "grader", python_graders=state.graders.python is not None)
     if problems:
         raise ValidationFailed(problems)
     return bool(python_graders_in(grader, "grader"))

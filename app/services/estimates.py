@@ -23,6 +23,7 @@ never imports torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from contract.deepspeed_config import (
     resolve_deepspeed_config,
     resolve_precision,
 )
+from contract.graders.score_model import BATCH_TOKENS
 from contract.run_request import RunDefinition
 from contract.seq_length import completion_room
 
@@ -115,7 +117,9 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
             else None
         ),
         "memory_per_worker": (
-            memory_per_worker(spec, model, _deepspeed_config(checked)) if model else None
+            memory_per_worker(spec, model, _deepspeed_config(checked), judges=_judges(checked))
+            if model
+            else None
         ),
         "tokens_per_step": global_batch_size(spec) * _rows_per_example(spec) * _row_tokens(spec),
         "method": "model_states_bytes_per_worker: ZeRO paper formulas for parameters, "
@@ -125,6 +129,20 @@ def estimate(checked: CheckedRequest) -> dict[str, Any]:
         "measured per-process runtime, each line split into device and host memory; its "
         "`formulas` say how each line is counted",
     }
+
+
+def _judges(checked: CheckedRequest) -> dict[str, ModelFacts | None]:
+    """Each score_model grader's model, once, with what its files say (None: a hub id or an
+    export in object storage, whose weights the service does not read)."""
+    judges: dict[str, ModelFacts | None] = {}
+    for judge in checked.judges:
+        if judge.model not in judges:
+            folder = judge.folder
+            facts = None
+            if folder is not None and judge.config is not None:
+                facts = ModelFacts.read(folder, judge.config)
+            judges[judge.model] = facts
+    return judges
 
 
 def model_states_bytes(
@@ -250,7 +268,11 @@ _PLACES = ("device", "host")
 
 
 def memory_per_worker(
-    spec: RunDefinition, model: ModelFacts, ds_config: dict[str, Any]
+    spec: RunDefinition,
+    model: ModelFacts,
+    ds_config: dict[str, Any],
+    *,
+    judges: Mapping[str, ModelFacts | None] | None = None,
 ) -> dict[str, Any]:
     """Every line in bytes per worker, device and host apart, and the peak.
 
@@ -287,6 +309,7 @@ def memory_per_worker(
             offloaded=ds.offload_params == "cpu",
         ),
         "generation": line(generation_bytes(spec, model, width=width)),
+        "judge_models": line(judge_bytes(judges or {}, on_gpu=on_gpu)),
         "activations": line(activation_bytes(spec, model, width=width)),
         "load_time_peak": _load_time_peak(spec, model, width=width),
     }
@@ -300,7 +323,10 @@ def memory_per_worker(
         "peak_phase": "load" if sum(loading.values()) > sum(training.values()) else "training",
         "precision": precision,
         "gradient_checkpointing": spec.training.gradient_checkpointing,
-        "formulas": _formulas(spec, model, ds_config, width=width),
+        "formulas": {
+            **_formulas(spec, model, ds_config, width=width),
+            "judge_models": _judge_formula(judges or {}, on_gpu=on_gpu),
+        },
     }
 
 
@@ -455,6 +481,42 @@ def generation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> i
         dp = spec.data_parallel_size
         gathered = model.parameters * (1 - 1 / dp)
     return int(width * (cache + gathered))
+
+
+def _judge_width(*, on_gpu: bool) -> int:
+    # worker/judge.py: bf16 on a GPU with native bf16 (validation assumes one), else fp32.
+    return 2 if on_gpu and ASSUME_BF16_GPU else _FP32
+
+
+def judge_bytes(judges: Mapping[str, ModelFacts | None], *, on_gpu: bool) -> int:
+    """The score_model graders' judges (worker/judge.py): each model whole on every rank,
+    beside the policy, and the KV cache of one batch of its answers (BATCH_TOKENS prompt
+    and answer tokens at most); judges whose files the service cannot read count 0."""
+    width = _judge_width(on_gpu=on_gpu)
+    return sum(
+        width * (facts.parameters + BATCH_TOKENS * facts.layers * 2 * facts.kv_dim)
+        for facts in judges.values()
+        if facts is not None
+    )
+
+
+def _judge_formula(judges: Mapping[str, ModelFacts | None], *, on_gpu: bool) -> str:
+    if not judges:
+        return "none: only a score_model grader loads a judge model"
+    width = _judge_width(on_gpu=on_gpu)
+    counted = [
+        f"{name}: {width} bytes x ({facts.parameters:,} parameters + {BATCH_TOKENS:,} tokens "
+        f"x layers {facts.layers} x 2 x kv {facts.kv_dim})"
+        for name, facts in judges.items()
+        if facts is not None
+    ]
+    unread = [name for name, facts in judges.items() if facts is None]
+    text = "each score_model grader's judge, whole on every rank, and one batch's KV cache"
+    if counted:
+        text += ": " + "; ".join(counted)
+    if unread:
+        text += f"; not counted (files the service does not read): {', '.join(unread)}"
+    return text
 
 
 def _rows_per_example(spec: RunDefinition) -> int:

@@ -322,8 +322,15 @@ def _resolve_hyperparameters(
 
 
 def _as_param(problem: dict[str, str]) -> dict[str, str]:
-    """A problem named by the OpenAI request's parameter where it has one."""
+    """A problem named by the OpenAI request's parameter where it has one: a field inside
+    the grader (a multi grader's judge, `method.grpo.grader.graders.<key>.model`) by the
+    grader's own parameter and the same path within it."""
     field = problem["field"]
+    grader = "method.grpo.grader"
+    if field.startswith(f"{grader}."):
+        return field_problem(
+            _PARAM_OF_FIELD[grader] + field.removeprefix(grader), problem["message"]
+        )
     return field_problem(_PARAM_OF_FIELD.get(field, field), problem["message"])
 
 

@@ -5,13 +5,14 @@ with no value are flags in `errors` and a reward of 0, so a run counts them and 
 
 Python and score-model graders run elsewhere (a sandbox; a model on the cluster): the
 caller passes how, or leaves them to fail as `python_grader_server_error` /
-`model_grader_server_error` saying they are not available there."""
+`model_grader_server_error` saying they are not available there. A training run's judges
+answer on its ranks first (worker/judge.py); `judged` reads those answers back."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,13 @@ from contract.graders.models import (
     ScoreModelGrader,
     StringCheckGrader,
     TextSimilarityGrader,
+)
+from contract.graders.score_model import (
+    JudgeReply,
+    UnreadableScore,
+    judged_leaves,
+    messages_of,
+    score_of,
 )
 from contract.graders.templates import MissingValue, Sample, render
 
@@ -146,10 +154,7 @@ def _score(
                 )
             return runners.python(grader, sample, item, left)
         case ScoreModelGrader():
-            messages = [
-                {"role": m.role, "content": "".join(render(t, sample, item) for t in m.texts())}
-                for m in grader.input
-            ]
+            messages = messages_of(grader, sample, item)
             if runners.model is None:
                 raise ModelGraderFailed(
                     "score_model graders are scored by the cluster during a run; this "
@@ -157,6 +162,25 @@ def _score(
                 )
             return runners.model(grader, messages)
     raise TypeError(f"not a leaf grader: {grader.type}")
+
+
+def judged(
+    grader: AnyGrader, replies: Mapping[str, Sequence[JudgeReply]], index: int
+) -> ModelScorer:
+    """The model runner of completion `index`: the answer its judge already gave (`replies`:
+    by `judged_leaves`' key, one per completion), read as a score."""
+    keys = {id(leaf): key for key, leaf in judged_leaves(grader)}
+
+    def score(leaf: ScoreModelGrader, messages: list[dict[str, str]]) -> float:
+        reply = replies[keys[id(leaf)]][index]
+        if reply.text is None:
+            raise ModelGraderFailed(reply.error or "the judge gave no answer")
+        try:
+            return score_of(reply.text, leaf)
+        except UnreadableScore as exc:
+            raise ModelGraderFailed(str(exc), parse=True) from None
+
+    return score
 
 
 def _leaf(

@@ -97,6 +97,7 @@ class TestStages:
             "zero_buckets",
             "reference_model",
             "generation",
+            "judge_models",
             "activations",
             "load_time_peak",
         }
@@ -413,6 +414,21 @@ class TestGrpo:
         gathered = 4 * PSI // 2 if stage == 3 else 0  # the other rank's half, at 2 workers
         assert total(breakdown(grpo)["lines"]["generation"]) == cache + gathered
         assert total(breakdown(spec_for(stage=stage))["lines"]["generation"]) == 0
+
+    @pytest.mark.parametrize("gpu", [False, True])
+    def test_each_judge_counts_once_whole_with_one_batchs_kv_cache(self, gpu: bool) -> None:
+        from contract.graders.score_model import BATCH_TOKENS
+
+        grpo = self._grpo(spec_for(stage=3, gpu=gpu))
+        config = resolve_deepspeed_config(grpo, bf16_supported=True, hidden_size=HIDDEN)
+        judge = facts(layers=2, kv_dim=64)
+        memory = memory_per_worker(grpo, facts(), config, judges={"/j": judge, "org/hub": None})
+        width = 2 if gpu else 4  # bf16 on a bf16 GPU, fp32 on CPU
+        expected = width * (PSI + BATCH_TOKENS * 2 * 2 * 64)
+        line = memory["lines"]["judge_models"]
+        assert line == ({"device": expected, "host": 0} if gpu else {"device": 0, "host": expected})
+        assert "org/hub" in memory["formulas"]["judge_models"]  # named as not counted
+        assert total(breakdown(grpo)["lines"]["judge_models"]) == 0
 
     def test_a_reference_copy_only_with_a_kl_term_and_without_lora(self) -> None:
         sft = spec_for(stage=2)

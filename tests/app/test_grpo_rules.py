@@ -12,7 +12,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.settings import Settings
 from app.storage.models import Run
+from tests.app.worker_calls import run_location
 from tests.factories import run_request
 
 ANSWER_CHECK = {
@@ -189,21 +191,135 @@ class TestGraders:
         fields = _refused(client, auth, _grpo(tmp_path, grader=multi), session_factory)
         assert "TUNEYARD_PYTHON_GRADERS" in fields["method.grpo.grader.graders.code.type"]
 
-    def test_model_graders_do_not_run_in_training_yet(
+
+def _judge_folder(folder: Path, *, chat_template: bool = True) -> Path:
+    """What the service reads of a judge: its config.json and its tokenizer's template."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if chat_template:
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+def _loaded(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def _judged(model: str) -> dict[str, Any]:
+    """A multi grader: a judge beside a string check."""
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": model,
+        "input": [
+            {"role": "system", "content": "Answer with a score from 0 to 1."},
+            {"role": "user", "content": "Expected {{item.answer}}; got {{sample.output_text}}"},
+        ],
+        "range": [0, 1],
+        "sampling_params": {"temperature": 0, "max_completions_tokens": 16},
+    }
+    return {
+        "type": "multi",
+        "name": "judged",
+        "graders": {"judge": judge, "answer": ANSWER_CHECK},
+        "calculate_output": "0.5 * judge + 0.5 * answer",
+    }
+
+
+class TestScoreModelGraders:
+    """A score_model grader's model is checked as the run's `model` is, by its field."""
+
+    JUDGE_MODEL = "method.grpo.grader.graders.judge.model"
+
+    def test_a_local_judge_is_stored_as_its_real_path(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        folder = _judge_folder(tmp_path / "judge")
+        (tmp_path / "link").symlink_to(folder)
+        r = client.post(
+            "/v1/runs", json=_grpo(tmp_path, grader=_judged(str(tmp_path / "link"))), headers=auth
+        )
+        assert r.status_code == 201, r.text
+        stored = r.json()["spec"]["method"]["grader"]["graders"]
+        assert stored["judge"]["model"] == str(folder)
+        assert stored["answer"] == ANSWER_CHECK
+
+    def test_a_hub_judge_alone_is_accepted(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        judge = _judged("Qwen/Qwen2.5-0.5B-Instruct")["graders"]["judge"]
+        r = client.post("/v1/runs", json=_grpo(tmp_path, grader=judge), headers=auth)
+        assert r.status_code == 201, r.text
+        assert r.json()["spec"]["method"]["grader"]["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+    def test_an_earlier_runs_export_can_judge(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        started: tuple[str, dict[str, str]],
+    ) -> None:
+        run_id, worker = started
+        export = Path(run_location(settings, run_id, "export"))
+        _judge_folder(export)
+        checkpoint = {"attempt": 1, "step": 5, "path": str(export), "kind": "hf"}
+        r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=checkpoint, headers=worker)
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/runs", json=_grpo(tmp_path, grader=_judged(run_id)), headers=auth)
+        assert r.status_code == 201, r.text
+        judge = r.json()["spec"]["method"]["grader"]["graders"]["judge"]
+        assert judge["model"] == str(export)
+
+    def test_validate_counts_the_judges_weights_on_each_worker(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        from contract.graders.score_model import BATCH_TOKENS
+        from tests.worker.judges import build_chat_judge
+
+        judge = build_chat_judge(tmp_path / "judge")
+        body = _grpo(tmp_path, grader=_judged(str(judge)), max_completion_tokens=16)
+        body["model"] = str(tiny_model_dir)
+        r = client.post("/v1/runs/validate", json=body, headers=auth)
+        assert r.status_code == 200 and r.json()["valid"], r.text
+        memory = r.json()["estimate"]["memory_per_worker"]
+        # The tiny Llama: 2 layers, 2 key/value heads of 16; fp32 on CPU.
+        config = json.loads((judge / "config.json").read_text())
+        parameters = sum(p.numel() for p in _loaded(judge).parameters())
+        kv = config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"]
+        expected = 4 * (parameters + BATCH_TOKENS * config["num_hidden_layers"] * 2 * kv)
+        assert memory["lines"]["judge_models"] == {"device": 0, "host": expected}
+        assert str(judge) in memory["formulas"]["judge_models"]
+
+    @pytest.mark.parametrize(
+        ("model", "words"),
+        [
+            ("{tmp}/missing", "does not exist"),
+            ("/outside/the/roots", "outside the allowed roots"),
+            ("{tmp}/judge-without-template", "no chat template"),
+            ("https://example.com/judge", "tuneyard never fetches URLs"),
+            ("gpt-4o-mini-2024-07-18", "OpenAI's models"),
+            ("run_" + "0" * 20, "no run"),
+        ],
+        ids=["missing", "outside-roots", "no-chat-template", "url", "openai-model", "no-run"],
+    )
+    def test_a_judge_the_cluster_cannot_load_is_refused_naming_its_field(
         self,
         client: TestClient,
         auth: dict[str, str],
         tmp_path: Path,
         session_factory: sessionmaker[Session],
+        model: str,
+        words: str,
     ) -> None:
-        scorer = {
-            "type": "score_model",
-            "name": "judge",
-            "model": "gpt-4o-mini",
-            "input": [{"role": "user", "content": "Score {{sample.output_text}}"}],
-        }
-        fields = _refused(client, auth, _grpo(tmp_path, grader=scorer), session_factory)
-        assert "score_model" in fields["method.grpo.grader.type"]
+        _judge_folder(tmp_path / "judge-without-template", chat_template=False)
+        body = _grpo(tmp_path, grader=_judged(model.format(tmp=tmp_path)))
+        fields = _refused(client, auth, body, session_factory)
+        assert words in fields[self.JUDGE_MODEL], fields
+        assert list(fields) == [self.JUDGE_MODEL]
 
 
 def test_prompt_and_completion_must_fit_the_models_positions(

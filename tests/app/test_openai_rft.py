@@ -152,14 +152,54 @@ def test_auto_hyperparameters_resolve_to_the_grpo_defaults(
     assert not any("accepted and ignored" in m for m in events), events
 
 
+def _judged(model: str) -> dict[str, Any]:
+    """OpenAI's multi grader with a score_model judge beside the exact check."""
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": model,
+        "input": [
+            {"role": "system", "content": "Score the answer from 0 to 1."},
+            {"role": "user", "content": "{{item.reference_answer}} / {{sample.output_text}}"},
+        ],
+        "range": [0, 1],
+    }
+    return {
+        "type": "multi",
+        "name": "judged",
+        "graders": {"judge": judge, "exact": GRADER},
+        "calculate_output": "(judge + exact) / 2",
+    }
+
+
+def test_a_job_graded_by_a_model_is_a_grpo_run_with_its_judge(
+    openai_sdk: openai.OpenAI, openai_live: tuple[str, str], rft_file: Any, tiny_model_dir: Path
+) -> None:
+    grader = _judged("Qwen/Qwen2.5-0.5B-Instruct")
+    job = _create(openai_sdk, tiny_model_dir, rft_file.id, grader=grader)
+    method = _run(openai_live, job.id)["spec"]["method"]
+    assert method["type"] == "grpo"
+    assert method["grader"]["graders"]["judge"]["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 @pytest.mark.parametrize(
     ("grader", "param", "words"),
     [
         ({**GRADER, "operation": "regex"}, "method.reinforcement.grader", "'eq'"),
         ({**GRADER, "reference": "{{item.answer}}"}, "method.reinforcement.grader", "'answer'"),
         ({**GRADER, "input": "{{answer}}"}, "method.reinforcement.grader", "namespace"),
+        (
+            _judged("/nowhere/judge"),
+            "method.reinforcement.grader.graders.judge.model",
+            "outside the allowed roots",
+        ),
+        (
+            _judged("o4-mini-2025-04-16"),
+            "method.reinforcement.grader.graders.judge.model",
+            "OpenAI's models",
+        ),
     ],
-    ids=["operation", "field-the-file-lacks", "template"],
+    ids=["operation", "field-the-file-lacks", "template", "judge-path", "openai-judge"],
 )
 def test_a_bad_grader_is_a_400_naming_it(
     openai_sdk: openai.OpenAI,

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.errors import field_problem
-from contract.graders.models import AnyGrader, MultiGrader, PythonGrader, ScoreModelGrader
+from contract.graders.models import AnyGrader, MultiGrader, PythonGrader
 
 Problem = dict[str, str]
 
@@ -15,11 +15,6 @@ PYTHON_OFF = (
     "python graders are off on this service: they run the code they are given, so an "
     "operator turns them on (TUNEYARD_PYTHON_GRADERS=true, with bubblewrap installed to "
     "sandbox them)"
-)
-SCORE_MODEL_IN_RUNS = (
-    "score_model graders do not run in training yet (a model grader would need a model "
-    "served beside the run); grade with string_check, text_similarity, python or a multi "
-    "grader of those"
 )
 
 
@@ -35,18 +30,16 @@ def python_graders_in(grader: AnyGrader, field: str) -> list[tuple[str, PythonGr
     return [(f, g) for f, g in leaves(grader, field) if isinstance(g, PythonGrader)]
 
 
-def runnable_problems(
-    grader: AnyGrader, field: str, *, python_graders: bool, in_training: bool
-) -> list[Problem]:
+def runnable_problems(grader: AnyGrader, field: str, *, python_graders: bool) -> list[Problem]:
     """What of `grader` this service cannot run: Python graders where the operator left
-    them off; model graders in a training run."""
-    problems = []
-    for where, leaf in leaves(grader, field):
-        if isinstance(leaf, PythonGrader) and not python_graders:
-            problems.append(field_problem(f"{where}.type", PYTHON_OFF))
-        if isinstance(leaf, ScoreModelGrader) and in_training:
-            problems.append(field_problem(f"{where}.type", SCORE_MODEL_IN_RUNS))
-    return problems
+    them off. (A score_model grader runs in training, its model checked by judge_rules.py;
+    the grader routes report it as a model_grader_server_error: the service loads no
+    model.)"""
+    return [
+        field_problem(f"{where}.type", PYTHON_OFF)
+        for where, leaf in leaves(grader, field)
+        if isinstance(leaf, PythonGrader) and not python_graders
+    ]
 
 
 def item_roots(grader: AnyGrader) -> list[str]:

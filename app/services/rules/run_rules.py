@@ -26,6 +26,7 @@ from app.services.rules.grader_rules import (
     record_item_problem,
     runnable_problems,
 )
+from app.services.rules.judge_rules import Judge, check_judges, resolved_grader
 from app.services.rules.model_files import (
     chat_template_of,
     safetensors_headers,
@@ -71,6 +72,8 @@ class CheckedRequest:
     # The worker's own step count, where the service can know it (see _step_plan).
     plan: StepPlan | None = None
     notes: list[str] = field(default_factory=list)
+    # Method grpo: the score_model graders' models, resolved (app/services/rules/judge_rules.py).
+    judges: list[Judge] = field(default_factory=list)
 
     # The seq_length the worker will choose where the request leaves it unset, as
     # app/services/data_plan.py predicts it; None: not known here.
@@ -127,14 +130,7 @@ def check_run_request(
     checked.problems.extend(webhook_problems(request, policy.webhooks))
     checked.problems.extend(tracking_problems(request, policy.tracking))
     if isinstance(request.method, GrpoMethod):
-        checked.problems.extend(
-            runnable_problems(
-                request.method.grader,
-                "method.grpo.grader",
-                python_graders=policy.python_graders,
-                in_training=True,
-            )
-        )
+        _check_graders(session, request.method, checked, owner_id=owner_id, policy=policy)
     checked.problems.extend(
         key_tracking_problems(session, request, owner_id=owner_id, spec=checked.spec)
     )
@@ -142,6 +138,31 @@ def check_run_request(
     if not checked.problems and examples is not None:
         checked.plan_examples(request, examples)
     return checked
+
+
+def _check_graders(
+    session: Session,
+    method: GrpoMethod,
+    checked: CheckedRequest,
+    *,
+    owner_id: str,
+    policy: RequestPolicy,
+) -> None:
+    """What of the grader this service cannot run, and its judges' models, resolved."""
+    field = "method.grpo.grader"
+    checked.problems.extend(
+        runnable_problems(method.grader, field, python_graders=policy.python_graders)
+    )
+    judges, problems = check_judges(
+        method.grader,
+        field,
+        roots=policy.roots,
+        export_of=lambda run_id: exported_model(session, run_id, owner_id=owner_id),
+    )
+    checked.problems.extend(problems)
+    checked.judges = judges
+    if judges:
+        resolved_grader(checked.spec["method"]["grader"], judges)
 
 
 def _examples_of_records(request: RunRequest, records: int | None) -> int | None:
@@ -280,32 +301,42 @@ def _check_model_from_run(
 ) -> None:
     """`model` names one of the caller's earlier runs: train from its exported full model
     (a DPO run after an SFT run, say). The path is the service's own, so no root applies."""
-    run = session.get(Run, request.model)
-    if run is None or run.owner_id != owner_id:
-        checked.problems.append(field_problem("model", f"no run {request.model!r}"))
+    exported, why = exported_model(session, request.model, owner_id=owner_id)
+    if exported is None:
+        checked.problems.append(field_problem("model", why or f"no run {request.model!r}"))
         return
+    if is_uri(exported):
+        _read_stored_model_config(exported, request, checked)
+        return
+    _read_model_config(Path(exported), request, checked)
+
+
+def exported_model(
+    session: Session, run_id: str, *, owner_id: str
+) -> tuple[str | None, str | None]:
+    """Where the caller's run `run_id` exported its full model, and None; or None and why
+    it has none to give."""
+    run = session.get(Run, run_id)
+    if run is None or run.owner_id != owner_id:
+        return None, f"no run {run_id!r}"
     exported = session.scalars(
         select(Checkpoint.path)
         .where(Checkpoint.run_id == run.id, Checkpoint.kind == "hf")
         .order_by(Checkpoint.id.desc())
         .limit(1)
     ).first()
-    if exported is None:
-        adapter_only = session.scalars(
-            select(Checkpoint.id).where(Checkpoint.run_id == run.id, Checkpoint.kind == "adapter")
-        ).first()
-        why = (
-            "exported only a LoRA adapter: start from a full model, i.e. a run with "
-            "lora.export 'merged' or 'both'"
-            if adapter_only is not None
-            else f"has no exported model (status {run.status!r}; export_hf may be off)"
-        )
-        checked.problems.append(field_problem("model", f"run {run.id} {why}"))
-        return
-    if is_uri(exported):
-        _read_stored_model_config(exported, request, checked)
-        return
-    _read_model_config(Path(exported), request, checked)
+    if exported is not None:
+        return exported, None
+    adapter_only = session.scalars(
+        select(Checkpoint.id).where(Checkpoint.run_id == run.id, Checkpoint.kind == "adapter")
+    ).first()
+    why = (
+        "exported only a LoRA adapter: start from a full model, i.e. a run with "
+        "lora.export 'merged' or 'both'"
+        if adapter_only is not None
+        else f"has no exported model (status {run.status!r}; export_hf may be off)"
+    )
+    return None, f"run {run.id} {why}"
 
 
 def _read_stored_model_config(location: str, request: RunRequest, checked: CheckedRequest) -> None:
