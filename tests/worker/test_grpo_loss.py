@@ -59,24 +59,37 @@ def batch(vocab: int) -> dict[str, torch.Tensor]:
 
 
 def logps_of(model: Any, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """The completion tokens' log-probabilities under `model`, prompts and completions as
+    TRL's batches hold them (prompts left-padded, completions right-padded)."""
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     logits = model(input_ids=input_ids, attention_mask=attention).logits
-    predicting = logits[:, PROMPT_LEN - 1 : -1]  # each completion token's logits
+    prompt_length = inputs["prompt_ids"].shape[1]
+    predicting = logits[:, prompt_length - 1 : -1]  # each completion token's logits
     logps, _ = completion_logps(predicting, inputs["completion_ids"], temperature)
     return logps
 
 
-def trl_trainer(model: Any, tokenizer_dir: Path, out: Path, temperature: float) -> Any:
+def trl_trainer(
+    model: Any,
+    tokenizer_dir: Path,
+    out: Path,
+    temperature: float,
+    *,
+    rows: int = 2 * GROUP,
+    completion_length: int = COMPLETION_LEN,
+) -> Any:
+    """TRL's GRPOTrainer on `model` (a PeftModel too), one process, its batch `rows`
+    completions in groups of GROUP; `_compute_loss` is called on it directly."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=2 * GROUP,
+        per_device_train_batch_size=rows,
         num_generations=GROUP,
-        max_completion_length=COMPLETION_LEN,
+        max_completion_length=completion_length,
         temperature=temperature,
         epsilon=0.2,
         epsilon_high=0.28,
@@ -88,7 +101,7 @@ def trl_trainer(model: Any, tokenizer_dir: Path, out: Path, temperature: float) 
         model=model,
         reward_funcs=lambda completions, **_: [0.0] * len(completions),
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["p"] * (2 * GROUP)}),
+        train_dataset=Dataset.from_dict({"prompt": ["p"] * rows}),
         processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
     )
     trainer.current_gradient_accumulation_steps = 1
