@@ -202,6 +202,27 @@ def rft_records(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+def small_grpo_request(models_root: Path, data: Path) -> dict[str, Any]:
+    """A grpo run of few, short completions on the tiny chat Llama, prompt_records' `data`
+    split into training and evaluation prompts, graded by CLOSE_TO_ANSWER: the groups the
+    tests add to their own."""
+    return {
+        "model": str(tiny_chat_llama(models_root)),
+        "dataset": {
+            "source": str(data),
+            "format": "prompt",
+            "split": "train[:75%]",
+            "eval_split": "train[75%:]",
+        },
+        "method": {
+            "type": "grpo",
+            "grader": CLOSE_TO_ANSWER,
+            "num_generations": 4,
+            "max_completion_tokens": 8,
+        },
+    }
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     import json
 

@@ -19,7 +19,7 @@ from playwright import sync_api as playwright_api
 
 from app.cli.tiny_assets import write_jsonl_dataset
 from tests.e2e.conftest import Service
-from tests.e2e.helpers import CLOSE_TO_ANSWER, prompt_records, tiny_chat_llama, write_jsonl
+from tests.e2e.helpers import prompt_records, small_grpo_request, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -71,19 +71,7 @@ def short_run(service: Service, tiny_models_root: Path) -> dict[str, Any]:
     prompts = write_jsonl(service.data_dir / "dashboard-prompts.jsonl", prompt_records(16))
     return service.submit(
         {
-            "model": str(tiny_chat_llama(tiny_models_root)),
-            "dataset": {
-                "source": str(prompts),
-                "format": "prompt",
-                "split": "train[:75%]",
-                "eval_split": "train[75%:]",
-            },
-            "method": {
-                "type": "grpo",
-                "grader": CLOSE_TO_ANSWER,
-                "num_generations": 4,
-                "max_completion_tokens": 8,
-            },
+            **small_grpo_request(tiny_models_root, prompts),
             "training": {"max_steps": SHORT_STEPS, "seed": 7, "eval_every_n_steps": 4},
             "resources": {"num_workers": 1},
             "checkpointing": {"every_n_steps": 4, "export_hf": True},

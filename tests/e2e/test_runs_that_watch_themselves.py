@@ -20,13 +20,12 @@ from app.cli.tiny_assets import write_jsonl_dataset
 from tests.app.test_webhooks import Receiver, receiving
 from tests.e2e.conftest import Service
 from tests.e2e.helpers import (
-    CLOSE_TO_ANSWER,
     assert_succeeded,
     checkpoints,
     metric_series,
     prompt_records,
     run_events,
-    tiny_chat_llama,
+    small_grpo_request,
     write_jsonl,
 )
 
@@ -196,19 +195,7 @@ def grpo_resumed(service: Service, tiny_models_root: Path) -> dict[str, Any]:
     step 3 (its checkpoint at 2 recorded), then resumed to its end."""
     data = write_jsonl(service.data_dir / "grpo-watched.jsonl", prompt_records(24, seed=5))
     body = {
-        "model": str(tiny_chat_llama(tiny_models_root)),
-        "dataset": {
-            "source": str(data),
-            "format": "prompt",
-            "split": "train[:75%]",
-            "eval_split": "train[75%:]",
-        },
-        "method": {
-            "type": "grpo",
-            "grader": CLOSE_TO_ANSWER,
-            "num_generations": 4,
-            "max_completion_tokens": 8,
-        },
+        **small_grpo_request(tiny_models_root, data),
         "training": {"max_steps": GRPO_STEPS, "eval_every_n_steps": 2},
         "resources": {"num_workers": 2},
         "checkpointing": {"every_n_steps": 2, "keep_last": 1},
