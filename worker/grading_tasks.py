@@ -8,7 +8,9 @@ The task asks for no CPU: the training workers hold the cluster's CPUs for the w
 wait forever. Python graders are pinned to one CPU each by their sandbox.
 
 A grade that fails (an error flag of OpenAI's, a grader that raised) is a NaN reward: it
-counts in no group's mean and gets no advantage, and the run's metrics count it.
+counts in no group's mean and gets no advantage, and the run's metrics count it. A node that
+cannot sandbox a grader's Python graders fails the run instead (`PythonSandboxMissing`):
+there every grade would fail, every group would be flat, and the run would learn nothing.
 
 A score_model grader's judge runs on the training rank, which holds the device
 (worker/judge.py); its answers come here as `replies`, and the grade reads them, so that
@@ -18,16 +20,20 @@ a multi grader mixing a judge with other graders grades in one place.
 from __future__ import annotations
 
 import functools
-import logging
 import math
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("tuneyard.worker")
-
 # Grades at once within a task: Python graders wait on their sandboxes, not on this process.
 GRADING_THREADS = 4
+
+
+class PythonSandboxMissing(RuntimeError):
+    """The grader has Python graders and the node that grades cannot sandbox them. One
+    line, one argument: it travels from a Ray task to the rank and ends as the run's
+    `training_error`."""
 
 
 @dataclass(slots=True)
@@ -85,17 +91,23 @@ def grade_all(
 
 
 def _runners(grader: Any) -> Any:
-    """Python graders run in the sandbox where this node has one; without, each such
-    grade fails saying why (the service refuses them unless its operator turned them on,
-    and a node must then have bubblewrap too)."""
+    """Python graders run in the sandbox where this node has one. A grader with Python
+    graders on a node without one ends the run; a grader without them needs none."""
     from contract.graders.grading import Runners
+    from contract.graders.models import MultiGrader, PythonGrader
     from contract.graders.sandbox import PythonSandbox, SandboxUnavailable
 
+    leaves = grader.graders.values() if isinstance(grader, MultiGrader) else [grader]
+    if not any(isinstance(leaf, PythonGrader) for leaf in leaves):
+        return Runners()
     try:
         return Runners(python=PythonSandbox())
     except SandboxUnavailable as exc:
-        log.debug("no Python grader sandbox on this node: %s", exc)
-        return Runners()
+        raise PythonSandboxMissing(
+            f"python graders cannot run on node {socket.gethostname()!r}: {exc}. Install "
+            "bubblewrap (bwrap) on every Ray node that trains, or turn python graders off "
+            "(TUNEYARD_PYTHON_GRADERS=false on the service)"
+        ) from None
 
 
 def grade_off_rank(

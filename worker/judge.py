@@ -42,7 +42,7 @@ from contract.graders.score_model import (
     messages_of,
     read_score,
 )
-from contract.graders.templates import MissingValue, Sample
+from contract.graders.templates import MissingValue, RenderedTooLong, Sample
 
 log = logging.getLogger("tuneyard.worker")
 
@@ -88,7 +88,7 @@ class Judges:
         replies = [JudgeReply(error="not judged") for _ in samples]
         asked: list[tuple[int, list[dict[str, str]]]] = []
         for index, (sample, item) in enumerate(zip(samples, items, strict=True)):
-            with contextlib.suppress(MissingValue):
+            with contextlib.suppress(MissingValue, RenderedTooLong):
                 asked.append((index, messages_of(grader, sample, {} if item is None else item)))
         answers = self.answer(grader, [messages for _, messages in asked])
         for (index, _), reply in zip(asked, answers, strict=True):

@@ -41,25 +41,25 @@ class _CountingReceive:
         return message
 
 
-class UploadLimitedRoute(APIRoute):
-    """A route whose body may be at most TUNEYARD_MAX_UPLOAD_BYTES plus the multipart framing.
+class _LimitedRoute(APIRoute):
+    """A route whose body may be at most `limit(request)` bytes.
 
-    FastAPI reads and parses a form body, spooling each file to disk, before the route
+    FastAPI reads and parses a body (and spools a form's files to disk) before the route
     function runs: a check there comes after the whole body was read. This one wraps that
     reading. A declared Content-Length over the limit is refused before a byte is read; a
     body without one (chunked) is counted as it arrives and abandoned at the first chunk past
     the limit, its rest never read."""
 
+    def limit(self, request: Request) -> tuple[int, str]:
+        """The limit in bytes, and what a refusal says."""
+        raise NotImplementedError
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def limited_handler(request: Request) -> Response:
-            max_upload_bytes = app_state(request).settings.max_upload_bytes
-            too_large = PayloadTooLarge(
-                f"the upload is larger than the {max_upload_bytes}-byte limit "
-                "(TUNEYARD_MAX_UPLOAD_BYTES)"
-            )
-            limit = max_upload_bytes + MULTIPART_ALLOWANCE
+            limit, message = self.limit(request)
+            too_large = PayloadTooLarge(message)
             declared = _content_length(request)
             if declared is not None and declared > limit:
                 raise too_large
@@ -83,3 +83,25 @@ def _content_length(request: Request) -> int | None:
         return int(request.headers["content-length"])
     except (KeyError, ValueError):
         return None
+
+
+class UploadLimitedRoute(_LimitedRoute):
+    """An upload: at most TUNEYARD_MAX_UPLOAD_BYTES plus the multipart framing."""
+
+    def limit(self, request: Request) -> tuple[int, str]:
+        max_upload_bytes = app_state(request).settings.max_upload_bytes
+        return max_upload_bytes + MULTIPART_ALLOWANCE, (
+            f"the upload is larger than the {max_upload_bytes}-byte limit "
+            "(TUNEYARD_MAX_UPLOAD_BYTES)"
+        )
+
+
+# A grader route's body: the largest model_sample (1,000,000 characters, up to 6 bytes
+# each as JSON escapes them), a grader and an item. The service grades it in its own
+# process, so its size is bounded before it is parsed.
+GRADER_BODY_BYTES = 8 * 1024 * 1024
+
+
+class GraderBodyLimitedRoute(_LimitedRoute):
+    def limit(self, request: Request) -> tuple[int, str]:
+        return GRADER_BODY_BYTES, f"a grader request is limited to {GRADER_BODY_BYTES} bytes"

@@ -71,6 +71,9 @@ class AppState:
     # how many Python graders may run at once.
     graders: Runners = field(init=False)
     python_graders: anyio.CapacityLimiter = field(init=False)
+    # Threads for the other graders on /graders/run (anyio's default pool is every sync
+    # route's too).
+    grading_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(4))
 
     def __post_init__(self) -> None:
         self.profile_slots = ProfileSlots(self.settings.max_concurrent_profiles)

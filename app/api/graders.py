@@ -11,6 +11,7 @@ import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Request, Security
 
+from app.api.body_limit import GraderBodyLimitedRoute
 from app.api.deps import AppState, CurrentPrincipal, app_state
 from app.api.openai_compat import openai_responses
 from app.errors import TooManyRequests, ValidationFailed
@@ -24,6 +25,7 @@ router = APIRouter(
     prefix="/v1/fine_tuning/alpha/graders",
     tags=["fine-tuning (OpenAI)"],
     dependencies=[Security(api_key)],
+    route_class=GraderBodyLimitedRoute,
 )
 
 _RESPONSES = openai_responses(
@@ -65,8 +67,11 @@ async def run_grader(
         grading.grade, body.grader, body.model_sample, body.item, state.graders
     )
     if not runs_python:
-        # CPU work (BLEU, ROUGE...): on a worker thread, never the event loop.
-        return (await anyio.to_thread.run_sync(work)).as_openai()
+        # CPU work (BLEU, ROUGE...): on a worker thread, never the event loop, and on
+        # threads of its own, so that many grades at once never hold every thread the
+        # service's other routes run on. (Each grade is bounded: contract/graders/
+        # similarity.py and templates.py refuse texts that would take long.)
+        return (await anyio.to_thread.run_sync(work, limiter=state.grading_threads)).as_openai()
     limiter = state.python_graders
     try:
         limiter.acquire_nowait()  # taken here, so two requests never both see it free

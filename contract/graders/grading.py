@@ -32,7 +32,7 @@ from contract.graders.score_model import (
     messages_of,
     score_of,
 )
-from contract.graders.templates import MissingValue, Sample, render
+from contract.graders.templates import MissingValue, RenderedTooLong, Sample, render
 
 # How a Python grader runs: (grader, sample, item, seconds it may take) → its score; raises
 # PythonGraderFailed.
@@ -189,7 +189,7 @@ def _leaf(
     errors = Errors()
     try:
         score = _score(grader, sample, item, runners, deadline)
-    except similarity.TextTooLong:
+    except (similarity.TextTooLong, RenderedTooLong):
         errors.truncated_observation_error = True
         return 0.0, errors
     except MissingValue as missing:

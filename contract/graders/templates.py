@@ -16,10 +16,18 @@ from typing import Any
 _PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-]+")
 _SAMPLE_VARIABLES = ("output_text", "output_json")
+# A rendered string's length past which the grade is OpenAI's truncated_observation_error:
+# a template that repeats a placeholder of a long field would otherwise build gigabytes
+# from a request of kilobytes (on /graders/run, in the service's own process).
+MAX_RENDERED_CHARS = 1_000_000
 
 
 class TemplateError(ValueError):
     """A placeholder that names nothing a grader can read."""
+
+
+class RenderedTooLong(ValueError):
+    """A template whose values make a string past MAX_RENDERED_CHARS."""
 
 
 class MissingValue(LookupError):
@@ -68,8 +76,16 @@ def _parse(expression: str) -> Reference:
 
 
 def references(template: str) -> list[Reference]:
-    """Every placeholder in `template`, checked; raises TemplateError for the first bad one."""
-    return [_parse(m.group(1)) for m in _PLACEHOLDER.finditer(template)]
+    """Every placeholder in `template`, checked; raises TemplateError for the first bad one,
+    and for a `{{` that no `}}` closes (`{{ item.answer }`): read as text, it would grade
+    every sample against the literal braces, silently."""
+    found = [_parse(m.group(1)) for m in _PLACEHOLDER.finditer(template)]
+    if "{{" in _PLACEHOLDER.sub("", template):
+        raise TemplateError(
+            "a '{{' opens no placeholder: write each as {{ item.<field> }} or "
+            "{{ sample.output_text }}, closed by '}}'"
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -117,7 +133,18 @@ def _as_text(value: Any) -> str:
 
 def render(template: str, sample: Sample, item: Any) -> str:
     """`template` with each placeholder replaced by its value; a value that is not a
-    string is written as JSON."""
-    return _PLACEHOLDER.sub(
-        lambda m: _as_text(value_of(_parse(m.group(1)), sample, item)), template
-    )
+    string is written as JSON. Raises RenderedTooLong as soon as the result would pass
+    MAX_RENDERED_CHARS."""
+    parts: list[str] = []
+    size, end = 0, 0
+    for m in _PLACEHOLDER.finditer(template):
+        value = _as_text(value_of(_parse(m.group(1)), sample, item))
+        parts += [template[end : m.start()], value]
+        size += m.start() - end + len(value)
+        end = m.end()
+        if size > MAX_RENDERED_CHARS:
+            raise RenderedTooLong(
+                f"the template's values make a text of over {MAX_RENDERED_CHARS:,} characters"
+            )
+    parts.append(template[end:])
+    return "".join(parts)

@@ -142,6 +142,42 @@ def test_the_routes_need_an_api_key(openai_live: tuple[str, str]) -> None:
         assert answer.json()["error"]["type"] == "authentication_error"
 
 
+def test_a_grade_that_would_hold_the_service_is_refused_at_once(
+    openai_live: tuple[str, str],
+) -> None:
+    """A reviewer's request: fuzzy_match of 20,000 characters against 2,000 held the GIL
+    (and so every other request) for seconds, longer ones for hours. Past the metric's
+    bound it is OpenAI's truncated_observation_error, answered at once; and a body past
+    the grader routes' limit is a 413 before it is parsed."""
+    url, key = openai_live
+    headers = {"Authorization": f"Bearer {key}"}
+    fuzzy = {
+        "type": "text_similarity",
+        "name": "t",
+        "evaluation_metric": "fuzzy_match",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.r}}",
+    }
+    body = {"grader": fuzzy, "model_sample": "abcdefghij" * 2_000, "item": {"r": "zyx" * 700}}
+    answer = httpx.post(
+        f"{url}/v1/fine_tuning/alpha/graders/run", json=body, headers=headers, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["metadata"]["errors"]["truncated_observation_error"] is True
+    assert answer.json()["reward"] == 0.0
+
+    from app.api.body_limit import GRADER_BODY_BYTES
+
+    huge = {"grader": EXACT, "model_sample": "x", "item": {"a": "y" * GRADER_BODY_BYTES}}
+    answer = httpx.post(
+        f"{url}/v1/fine_tuning/alpha/graders/run",
+        json=huge,
+        headers=headers,
+        timeout=HTTP_TIMEOUT_S,
+    )
+    assert answer.status_code == 413, answer.text
+
+
 SLEEPER = {
     "type": "python",
     "name": "slow",

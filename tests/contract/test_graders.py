@@ -13,7 +13,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from contract.graders.grading import Grade, Runners, grade
 from contract.graders.models import AnyGrader, Grader
-from contract.graders.templates import Sample, references, render
+from contract.graders.templates import Sample, TemplateError, references, render
 
 GRADER: TypeAdapter[AnyGrader] = TypeAdapter(Grader)
 
@@ -104,11 +104,35 @@ class TestTextSimilarity:
             assert grade(similarity(metric), "alpha beta", {"answer": "gamma delta"}).reward == 0.0
 
     def test_rouge_l_of_texts_too_long_to_compare_is_an_error(self) -> None:
-        words = " ".join(["word"] * 2_001)
+        words = " ".join(["word"] * 1_001)
         result = grade(similarity("rouge_l"), words, {"answer": words})
         assert (result.reward, result.errors.truncated_observation_error) == (0.0, True)
-        # rouge_1 counts words: any length.
+        # rouge_1 counts words: up to MAX_TOKENS each.
         assert grade(similarity("rouge_1"), words, {"answer": words}).reward == 1.0
+        # Tokens as rouge-score splits them, not words: 1,001 hyphenated tokens are one
+        # word to str.split() (a reviewer's way past a bound that counted words).
+        hyphens = "-".join(["word"] * 1_001)
+        result = grade(similarity("rouge_l"), hyphens, {"answer": hyphens})
+        assert result.errors.truncated_observation_error
+
+    @pytest.mark.parametrize("metric", ["bleu", "gleu", "rouge_1", "rouge_2", "fuzzy_match"])
+    def test_every_metric_has_a_bound_that_keeps_a_grade_short(self, metric: str) -> None:
+        """Past it the grade is an error at once; at it, a grade takes well under a second
+        of CPU (measured on a 2-core machine: BLEU, GLEU and ROUGE-n about linear, ROUGE
+        stemming each word in Python)."""
+        from contract.graders.similarity import MAX_ALIGNMENT_CELLS, MAX_TOKENS
+
+        if metric == "fuzzy_match":
+            # The shorter aligned along the longer: characters x characters.
+            long, short = "abcdefghij" * 2_000, "abcdefghij" * (MAX_ALIGNMENT_CELLS // 200_000)
+            fits = grade(similarity(metric), long, {"answer": short})
+            too_long = grade(similarity(metric), long, {"answer": short + "x"})
+        else:
+            text = " ".join(f"w{i % 300}" for i in range(MAX_TOKENS))
+            fits = grade(similarity(metric), text, {"answer": text})
+            too_long = grade(similarity(metric), text + " w", {"answer": text})
+        assert not fits.errors.any() and fits.reward > 0.0
+        assert (too_long.reward, too_long.errors.truncated_observation_error) == (0.0, True)
 
     def test_fuzzy_match_is_a_fraction_not_a_percentage(self) -> None:
         reward = grade(similarity("fuzzy_match"), "color", {"answer": "colour"}).reward
@@ -262,6 +286,25 @@ class TestMulti:
 
 
 class TestTemplates:
+    def test_a_template_that_renders_past_its_bound_is_an_error_at_once(self) -> None:
+        """A reviewer's request: a 64 kB template repeating {{item.a}}, with a 50 kB `a`,
+        made the service hold 1.3 GB; the text stops at MAX_RENDERED_CHARS, unbuilt."""
+        from contract.graders.templates import MAX_RENDERED_CHARS
+
+        repeated = grader(
+            type="string_check",
+            name="big",
+            input="{{item.a}}" * 6_553,
+            reference="x",
+            operation="eq",
+        )
+        started = time.perf_counter()
+        result = grade(repeated, "x", {"a": "x" * 50_000})
+        assert (result.reward, result.errors.truncated_observation_error) == (0.0, True)
+        assert time.perf_counter() - started < 2.0
+        fits = {"a": "x" * (MAX_RENDERED_CHARS // 6_553)}
+        assert not grade(repeated, "x", fits).errors.any()
+
     def test_render_replaces_each_placeholder(self) -> None:
         sample = Sample.of('{"a": {"b": [10, 20]}}')
         item = {"q": "why", "n": {"k": 3}}
@@ -276,6 +319,8 @@ class TestTemplates:
             ("{{sample.output_tools}}", "a sample has only sample.output_text"),
             ("{{sample.output_text.x}}", "sample.output_text is a string"),
             ("{{item.a b}}", "is not a dotted name"),
+            ("{{ item.answer }", "a '{{' opens no placeholder"),
+            ("{{item.answer}} and {{", "a '{{' opens no placeholder"),
         ],
     )
     def test_a_placeholder_that_names_nothing_is_refused_naming_the_field(
@@ -289,8 +334,9 @@ class TestTemplates:
 
     def test_open_braces_without_an_end_are_read_in_linear_time(self) -> None:
         started = time.monotonic()
-        assert references("{{" + " " * 60_000) == []
-        assert references("{{ item.a " * 5_000) == []
+        for unclosed in ("{{" + " " * 60_000, "{{ item.a " * 5_000):
+            with pytest.raises(TemplateError, match="opens no placeholder"):
+                references(unclosed)
         assert time.monotonic() - started < 5  # the backtracking pattern took hours
 
     def test_a_sample_nested_past_the_stack_is_not_json(self) -> None:
