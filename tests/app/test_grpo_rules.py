@@ -12,8 +12,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.services.rules.run_rules import completion_room_problem
 from app.settings import Settings
 from app.storage.models import Run
+from contract.run_request import RunRequest
 from tests.app.worker_calls import run_location
 from tests.factories import run_request
 
@@ -36,10 +38,19 @@ def _prompts(root: Path, *records: dict[str, Any]) -> Path:
     return path
 
 
+# The prompts above mix text and chat messages, and the factory's model has no chat
+# template of its own: the request gives one.
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
 def _grpo(root: Path, *, source: Path | None = None, **method: Any) -> dict[str, Any]:
     return run_request(
         root,
-        dataset={"source": str(source or _prompts(root)), "format": "prompt"},
+        dataset={
+            "source": str(source or _prompts(root)),
+            "format": "prompt",
+            "chat_template": TEMPLATE,
+        },
         method={"type": "grpo", "grader": ANSWER_CHECK, **method},
         training={"max_steps": 2, "learning_rate": 1e-5, "batch_size_per_worker": 1},
     )
@@ -154,6 +165,21 @@ class TestGraders:
         messages = [e["message"] for e in r.json()["detail"] if e["field"] == "dataset.source"]
         assert any("line 1" in m and "{{item.solution}}" in m for m in messages), messages
 
+    def test_a_null_is_an_absent_field_and_a_path_may_index_a_list(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        # The worker reads records through Arrow, which fills a field some lack with null;
+        # the grader follows list indices ({{item.answers.0}}) as keys.
+        grader = {**ANSWER_CHECK, "reference": "{{item.answers.0}}"}
+        rows = [{"prompt": "2+2=", "answers": ["4", "four"]}, {"prompt": "1+1=", "answers": None}]
+        body = _grpo(tmp_path, grader=grader)
+        body["dataset"]["source"] = str(_prompts(tmp_path, *rows))
+        message = _problems(client, auth, body)["dataset.source"]
+        assert "line 2: record's field 'answers' is null (which counts as absent)" in message
+        assert "line 1" not in message
+        body["dataset"]["source"] = str(_prompts(tmp_path, rows[0]))
+        assert _problems(client, auth, body) == {}
+
     def test_a_grader_reading_a_field_an_upload_lacks_is_a_422_on_the_grader(
         self,
         client: TestClient,
@@ -173,6 +199,38 @@ class TestGraders:
         body["dataset"]["source"] = up.json()["id"]
         fields = _refused(client, auth, body, session_factory)
         assert "'solution'" in fields["method.grpo.grader"]
+
+    def test_an_upload_whose_some_records_lack_a_field_the_grader_reads_is_a_422_by_line(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = _grpo(tmp_path)
+        # Its fields (all records together) have `answer`; record 2 lacks it.
+        lacking = _prompts(tmp_path, {"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="})
+        body["dataset"]["source"] = _upload(client, auth, lacking)
+        fields = _refused(client, auth, body, session_factory)
+        message = fields["dataset.source"]
+        assert "line 2: record has no field 'answer'" in message, message
+        assert body["dataset"]["source"] in message
+        assert "checked here" not in message  # the whole file was read
+
+    def test_an_uploads_records_are_read_as_far_as_a_local_files_and_the_bound_is_said(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        rows = [{"prompt": f"{n}+{n}=", "answer": str(2 * n)} for n in range(1_200)]
+        rows[2] = {"prompt": "2+2="}
+        body = _grpo(tmp_path)
+        body["dataset"]["source"] = _upload(client, auth, _prompts(tmp_path, *rows))
+        message = _refused(client, auth, body, session_factory)["dataset.source"]
+        assert "line 3: record has no field 'answer'" in message, message
+        assert "the first 1,000 of its 1,200 records were checked here" in message
 
     def test_python_graders_are_refused_where_the_operator_left_them_off(
         self,
@@ -322,15 +380,122 @@ class TestScoreModelGraders:
         assert list(fields) == [self.JUDGE_MODEL]
 
 
-def test_prompt_and_completion_must_fit_the_models_positions(
-    client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    body = _grpo(tmp_path, max_completion_tokens=120)
-    body["model"] = str(tiny_model_dir)  # 128 positions
-    problems = _problems(client, auth, body)
-    assert "maximum positions (128)" in problems["method.grpo.max_completion_tokens"]
-    body["method"]["max_completion_tokens"] = 64
-    assert _problems(client, auth, body) == {}
+def _upload(client: TestClient, auth: dict[str, str], path: Path) -> str:
+    r = client.post(
+        "/v1/files",
+        files={"file": (path.name, path.read_bytes())},
+        data={"purpose": "prompt"},
+        headers=auth,
+    )
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+class TestPositions:
+    def test_prompts_of_seq_length_and_completions_must_fit_together(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+    ) -> None:
+        body = _grpo(tmp_path, max_completion_tokens=120)  # with seq_length 32
+        body["model"] = str(tiny_model_dir)  # 128 positions
+        message = _problems(client, auth, body)["method.grpo.max_completion_tokens"]
+        assert "prompts of up to 32 tokens (training.seq_length)" in message, message
+        assert "maximum positions (128)" in message
+        assert "at most 96 completion tokens fit with prompts of 32" in message
+        assert "prompts of at most 8 tokens fit with it" in message
+        body["method"]["max_completion_tokens"] = 64
+        assert _problems(client, auth, body) == {}
+
+    def test_a_default_request_is_told_what_fits_without_a_seq_length_it_never_set(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        tiny_model_dir: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = _grpo(tmp_path)  # max_completion_tokens 256, TRL's default
+        body["model"] = str(tiny_model_dir)
+        del body["training"]["seq_length"]
+        fields = _refused(client, auth, body, session_factory)
+        message = fields["method.grpo.max_completion_tokens"]
+        assert message.startswith(
+            "max_completion_tokens (256) leaves no room for a prompt in the model's maximum "
+            "positions (128)"
+        ), message
+        assert "at most 126 completion tokens fit, and those with prompts of 2 tokens" in message
+        assert "seq_length" not in message
+
+    def test_an_unset_seq_length_leaves_prompts_the_shortest_length_the_worker_chooses(
+        self, tmp_path: Path
+    ) -> None:
+        # The worker refuses fewer than 2 positions for the prompts (model_setup.py).
+        def problem(tokens: int, seq_length: int | None = None) -> Any:
+            body = _grpo(tmp_path, max_completion_tokens=tokens)
+            body["training"]["seq_length"] = seq_length
+            return completion_room_problem(RunRequest.model_validate(body), 128)
+
+        assert problem(126) is None
+        assert problem(127)["field"] == "method.grpo.max_completion_tokens"
+        assert problem(96, seq_length=32) is None
+        assert "at most 96" in problem(97, seq_length=32)["message"]
+        too_long = problem(8, seq_length=128)
+        assert too_long["field"] == "training.seq_length"
+        assert "prompts of at most 120 tokens fit" in too_long["message"]
+
+
+class TestChatTemplates:
+    """Prompts given as chat messages are rendered with a chat template, as chat data is:
+    the request's, or the model's own. Text prompts need none."""
+
+    def test_prompts_as_messages_on_a_model_without_a_template_are_refused_by_create(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = _grpo(tmp_path)
+        del body["dataset"]["chat_template"], body["training"]["seq_length"]
+        fields = _refused(client, auth, body, session_factory)
+        message = fields["dataset.chat_template"]
+        assert message.startswith(
+            "line 2 of prompts.jsonl gives its prompt (dataset.prompt_field 'prompt') as chat "
+            "messages, which format 'prompt' renders with a chat template"
+        ), message
+        assert "has none: give dataset.chat_template" in message
+        assert list(fields) == ["dataset.chat_template"]
+        assert _problems(client, auth, body) == fields  # validate says the same
+
+    def test_an_uploads_prompts_as_messages_are_refused_alike(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        body = _grpo(tmp_path, grader={**ANSWER_CHECK, "reference": "Paris"})  # reads no field
+        del body["dataset"]["chat_template"]
+        file_id = _upload(client, auth, _prompts(tmp_path))
+        body["dataset"]["source"] = file_id
+        message = _refused(client, auth, body, session_factory)["dataset.chat_template"]
+        assert f"line 2 of uploaded file {file_id} gives its prompt" in message, message
+
+    def test_text_prompts_need_no_template(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = _grpo(tmp_path, source=_prompts(tmp_path, {"prompt": "2+2=", "answer": "4"}))
+        del body["dataset"]["chat_template"]
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 201, r.text
+
+    def test_the_models_own_template_will_do(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        body = _grpo(tmp_path)
+        del body["dataset"]["chat_template"]
+        (tmp_path / "model" / "chat_template.jinja").write_text(TEMPLATE)
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 201, r.text
 
 
 def test_an_upload_for_prompts_is_checked_line_by_line(

@@ -189,6 +189,37 @@ class TestChatData:
         message = _problems(client, auth, body)["dataset.source"]
         assert "line 1" in message and "rejected" in message
 
+    def test_preference_prompts_as_messages_need_a_chat_template(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        path = tmp_path / "pairs.jsonl"
+        pairs = [
+            {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+            {"prompt": [{"role": "user", "content": "3+3?"}], "chosen": "6", "rejected": "7"},
+        ]
+        path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+        dataset = {"source": str(path), "format": "preference"}
+        body = run_request(tmp_path, dataset=dataset, method={"type": "dpo"})
+        del body["training"]["seq_length"]  # as a default request leaves it
+        r = client.post("/v1/runs", json=body, headers=auth)
+        assert r.status_code == 422, r.text
+        fields = {e["field"]: e["message"] for e in r.json()["detail"]}
+        message = fields["dataset.chat_template"]
+        assert message.startswith(
+            "line 2 of pairs.jsonl gives its prompt (dataset.prompt_field 'prompt') as chat "
+            "messages, which format 'preference' renders with a chat template"
+        ), message
+        assert _runs(session_factory) == 0
+        assert _problems(client, auth, body) == fields
+        # Text prompts alone need none.
+        path.write_text(json.dumps(pairs[0]) + "\n")
+        body["training"]["seq_length"] = 32  # (validate would count the data otherwise)
+        assert _problems(client, auth, body) == {}
+
 
 class TestSchema:
     @pytest.mark.parametrize(

@@ -152,6 +152,25 @@ def test_auto_hyperparameters_resolve_to_the_grpo_defaults(
     assert not any("accepted and ignored" in m for m in events), events
 
 
+def test_a_job_on_a_model_without_a_chat_template_is_a_400_naming_it(
+    openai_sdk: openai.OpenAI, rft_file: Any, tiny_model_dir: Path
+) -> None:
+    """An RFT file's prompts are chat messages: rendered with a chat template, which this
+    model lacks and the job does not give (the tuneyard extension's dataset.chat_template)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_sdk.fine_tuning.jobs.create(
+            model=str(tiny_model_dir),
+            training_file=rft_file.id,
+            method={"type": "reinforcement", "reinforcement": {"grader": GRADER}},
+            extra_body={"tuneyard": {"method": {"max_completion_tokens": 32}}},
+        )
+    assert refused.value.param == "dataset.chat_template", refused.value.body
+    message = refused.value.message
+    assert f"line 1 of uploaded file {rft_file.id} gives its prompt" in message, message
+    assert "(dataset.prompt_field 'messages')" in message
+    assert not list(openai_sdk.fine_tuning.jobs.list())
+
+
 def _judged(model: str) -> dict[str, Any]:
     """OpenAI's multi grader with a score_model judge beside the exact check."""
     judge = {

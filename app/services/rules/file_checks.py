@@ -38,6 +38,8 @@ class FileReport:
     fields: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     more_errors: int = 0
+    # The check stopped at its `limit` with records still to read.
+    limited: bool = False
 
     def error(self, message: str) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -47,6 +49,10 @@ class FileReport:
 
 
 RecordProblem = Callable[[dict[str, Any]], str | None]
+# A file's bytes from its start, opened anew at each call: a local file, or one in storage.
+Opener = Callable[[], BinaryIO]
+# Called with each record checked and where it is ("line 3", "row 3").
+RecordVisitor = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,18 @@ def check_file(
 ) -> FileReport:
     """Parse every record (the first `limit` with one) and check it (see RecordChecks),
     one record at a time."""
+    return check_records(lambda: path.open("rb"), fmt=fmt, checks=checks, limit=limit)
+
+
+def check_records(
+    open_file: Opener,
+    *,
+    fmt: str,
+    checks: RecordChecks,
+    limit: int | None = None,
+    visit: RecordVisitor | None = None,
+) -> FileReport:
+    """`check_file` of the file `open_file` opens; `visit` sees each record checked."""
     report = FileReport()
     if checks.nested and fmt == "csv":
         report.error(
@@ -121,14 +139,17 @@ def check_file(
         return report
     seen_fields: dict[str, None] = {}
     try:
-        for where, record in _records(path, fmt, report):
+        for where, record in _records(open_file, fmt, report):
             if limit is not None and report.records >= limit:
+                report.limited = True
                 break
             report.records += 1
             for name in record:
                 seen_fields.setdefault(name, None)
             for problem in _record_problems(record, checks):
                 report.error(f"{where}: {problem}")
+            if visit is not None:
+                visit(where, record)
     except _LineTooLong as exc:
         report.error(str(exc))
     except (ValueError, OSError, csv.Error, RecursionError) as exc:
@@ -152,7 +173,7 @@ def detect_purpose(path: Path, *, fmt: str) -> Purpose | None:
     plain `text`; None when the
     first record is none of these (or cannot be read)."""
     try:
-        first = next(iter(_records(path, fmt, FileReport())), None)
+        first = next(iter(_records(lambda: path.open("rb"), fmt, FileReport())), None)
     except (ValueError, OSError, csv.Error, RecursionError):
         return None
     if first is None:
@@ -201,12 +222,14 @@ def _field_problem(record: dict[str, Any], name: str, *, is_label: bool) -> str 
     return None
 
 
-def _records(path: Path, fmt: str, report: FileReport) -> Iterator[tuple[str, dict[str, Any]]]:
+def _records(
+    open_file: Opener, fmt: str, report: FileReport
+) -> Iterator[tuple[str, dict[str, Any]]]:
     if fmt == "jsonl":
-        with path.open("rb") as f:
+        with open_file() as f:
             yield from _jsonl_records(f, report)
     elif fmt == "csv":
-        with path.open("rb") as f:
+        with open_file() as f:
             reader = csv.DictReader(_csv_lines(f))
             try:
                 for row in reader:
@@ -217,12 +240,13 @@ def _records(path: Path, fmt: str, report: FileReport) -> Iterator[tuple[str, di
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        parquet = pq.ParquetFile(path)
-        number = 0
-        for batch in parquet.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
-                number += 1
-                yield f"row {number}", row
+        with open_file() as f:
+            parquet = pq.ParquetFile(f)
+            number = 0
+            for batch in parquet.iter_batches(batch_size=4096):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield f"row {number}", row
     else:
         raise ValueError(f"unknown format {fmt!r}")
 

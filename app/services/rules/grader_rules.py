@@ -55,14 +55,28 @@ def missing_item_fields(grader: AnyGrader, fields: Iterable[str]) -> list[str]:
 
 
 def record_item_problem(grader: AnyGrader, record: Mapping[str, Any]) -> str | None:
-    """Why one record cannot be graded for want of a field the grader reads, or None."""
+    """Why one record cannot be graded for want of a field the grader reads, or None. A
+    path is followed as the grader follows it (contract/graders/templates.py: keys, and
+    list indices), and a null counts as absent, as everywhere in a record
+    (contract/records.py): the worker reads records through Arrow, which fills a field
+    that some records lack with null, so the grader would read it as the text "null"."""
     for dotted in sorted(grader.item_fields()):
         value: Any = record
-        for key in dotted.split("."):
-            if not isinstance(value, Mapping) or key not in value:
+        keys = dotted.split(".")
+        for depth, key in enumerate(keys, start=1):
+            if isinstance(value, Mapping) and key in value:
+                value = value[key]
+            elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+                value = value[int(key)]
+            else:
                 return (
                     f"record has no field {dotted!r}, which the grader reads as "
                     f"{{{{item.{dotted}}}}}"
                 )
-            value = value[key]
+            if value is None:
+                null = ".".join(keys[:depth])
+                return (
+                    f"record's field {null!r} is null (which counts as absent), and the "
+                    f"grader reads {{{{item.{dotted}}}}}"
+                )
     return None

@@ -8,11 +8,12 @@ field it is about and says the rule in words a user can act on.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -20,8 +21,15 @@ from sqlalchemy.orm import Session
 from app.errors import field_problem
 from app.services.rules.adapter_sizes import adapter_parameters, linear_weights
 from app.services.rules.evaluation_rules import evaluation_problems
-from app.services.rules.file_checks import RecordProblem, check_file, checks_for
+from app.services.rules.file_checks import (
+    FileReport,
+    Opener,
+    RecordProblem,
+    check_records,
+    checks_for,
+)
 from app.services.rules.grader_rules import (
+    item_roots,
     missing_item_fields,
     record_item_problem,
     runnable_problems,
@@ -51,6 +59,7 @@ from contract.datasets import (
     purpose_of,
 )
 from contract.graders.models import AnyGrader
+from contract.records import is_conversational
 from contract.run_request import GrpoMethod, RunDefinition, RunRequest
 from contract.seq_length import completion_room, max_positions_of, seq_length_cap
 from contract.steps import StepPlan, examples_used
@@ -78,6 +87,13 @@ class CheckedRequest:
     # The seq_length the worker will choose where the request leaves it unset, as
     # app/services/data_plan.py predicts it; None: not known here.
     seq_length: int | None = None
+
+    # Whether the model's tokenizer brings a chat template, where the data may need one;
+    # None: not read here (a hub model, an export in object storage: the cluster reads
+    # those), or no need.
+    model_has_chat_template: bool | None = None
+    # Where the data read here first gives a prompt as chat messages ("line 2 of p.jsonl").
+    messages_at: str | None = None
 
     @property
     def resolved(self) -> RunDefinition:
@@ -127,6 +143,8 @@ def check_run_request(
     else:
         _check_model(request, checked, policy.roots)
     _check_dataset(session, request, checked, owner_id=owner_id, allowed_roots=policy.roots)
+    if problem := chat_template_problem(request, checked):
+        checked.problems.append(problem)
     checked.problems.extend(webhook_problems(request, policy.webhooks))
     checked.problems.extend(tracking_problems(request, policy.tracking))
     if isinstance(request.method, GrpoMethod):
@@ -381,10 +399,15 @@ def _read_model_config(path: Path, request: RunRequest, checked: CheckedRequest)
         return
     checked.spec["model"] = str(path)
     checked.model_config = config
+    if request.dataset.format in CHAT_FORMATS and request.dataset.chat_template is None:
+        checked.model_has_chat_template = chat_template_of(path) is not None
     checked.problems.extend(model_config_problems(config, request))
-    for problem in (chat_template_problem(path, request), lora_target_problem(path, request)):
-        if problem is not None:
-            checked.problems.append(problem)
+    if problem := lora_target_problem(path, request):
+        checked.problems.append(problem)
+
+
+# The formats whose records may hold chat messages, rendered with a chat template.
+CHAT_FORMATS = ("chat", "preference", "prompt")
 
 
 def lora_target_problem(folder: Path, req: RunRequest) -> Problem | None:
@@ -404,18 +427,28 @@ def lora_target_problem(folder: Path, req: RunRequest) -> Problem | None:
     )
 
 
-def chat_template_problem(folder: Path, req: RunRequest) -> Problem | None:
-    """Chat data is rendered with a chat template: the request's, or the model's own.
-    (A hub model's tokenizer is the cluster's to read; there the worker refuses it.)"""
-    if req.dataset.format != "chat" or req.dataset.chat_template is not None:
+def chat_template_problem(req: RunRequest, checked: CheckedRequest) -> Problem | None:
+    """Chat messages are rendered with a chat template: the request's, or the model's own.
+    Chat data is all messages; a prompt (formats 'prompt' and 'preference') is text or
+    messages, and needs one where the records read here give messages. (A hub model's
+    tokenizer is the cluster's to read; there the worker refuses it.)"""
+    ds = req.dataset
+    if ds.chat_template is not None or checked.model_has_chat_template is not False:
         return None
-    if chat_template_of(folder) is not None:
+    if ds.format == "chat":
+        what = "format 'chat' renders conversations with a chat template"
+    elif ds.format in ("prompt", "preference") and checked.messages_at is not None:
+        what = (
+            f"{checked.messages_at} gives its prompt (dataset.prompt_field "
+            f"{ds.prompt_field!r}) as chat messages, which format {ds.format!r} renders with "
+            "a chat template"
+        )
+    else:
         return None
     return field_problem(
         "dataset.chat_template",
-        f"format 'chat' renders conversations with a chat template, and the tokenizer of "
-        f"model {req.model!r} has none: give dataset.chat_template (a Jinja template, e.g. "
-        "ChatML's)",
+        f"{what}, and the tokenizer of model {req.model!r} has none: give "
+        "dataset.chat_template (a Jinja template, e.g. ChatML's)",
     )
 
 
@@ -445,16 +478,8 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
 
     max_positions = max_positions_of(config)
     seq_length = req.training.seq_length
-    room = completion_room(req)
-    if max_positions is not None and room and (seq_length or 1) + room > max_positions:
-        problems.append(
-            field_problem(
-                "method.grpo.max_completion_tokens",
-                f"a prompt of {seq_length or 1} tokens (training.seq_length) and "
-                f"max_completion_tokens ({room}) exceed the model's maximum positions "
-                f"({max_positions})",
-            )
-        )
+    if max_positions is not None and (problem := completion_room_problem(req, max_positions)):
+        problems.append(problem)
     elif max_positions is not None and seq_length is not None and seq_length > max_positions:
         problems.append(
             field_problem(
@@ -464,6 +489,49 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
             )
         )
     return problems
+
+
+# The shortest prompt length the worker chooses for an unset seq_length
+# (worker/model_setup.py `prepare_training`, contract/seq_length.py).
+SHORTEST_CHOSEN_PROMPT = 2
+
+
+def completion_room_problem(req: RunRequest, max_positions: int) -> Problem | None:
+    """Method grpo: a prompt and its completion share the model's positions. With
+    training.seq_length set, prompts take up to that many; unset, the worker gives them
+    what max_completion_tokens leaves, at least SHORTEST_CHOSEN_PROMPT."""
+    room = completion_room(req)
+    seq_length = req.training.seq_length
+    prompt = SHORTEST_CHOSEN_PROMPT if seq_length is None else seq_length
+    if not room or prompt + room <= max_positions:
+        return None
+    positions = (
+        f"the model's maximum positions ({max_positions}), which a prompt and its completion share"
+    )
+    if seq_length is None:
+        return field_problem(
+            "method.grpo.max_completion_tokens",
+            f"max_completion_tokens ({room}) leaves no room for a prompt in {positions}: at "
+            f"most {max_positions - prompt} completion tokens fit, and those with prompts of "
+            f"{prompt} tokens; the prompts get the positions it leaves",
+        )
+    prompts_fit = (
+        f"prompts of at most {max_positions - room} tokens fit with it"
+        if room < max_positions
+        else "it alone takes every position"
+    )
+    if seq_length >= max_positions:
+        return field_problem(
+            "training.seq_length",
+            f"seq_length ({seq_length}) leaves no room for a completion in {positions}: with "
+            f"max_completion_tokens ({room}), {prompts_fit}",
+        )
+    return field_problem(
+        "method.grpo.max_completion_tokens",
+        f"max_completion_tokens ({room}) and prompts of up to {seq_length} tokens "
+        f"(training.seq_length) exceed {positions}: at most {max_positions - seq_length} "
+        f"completion tokens fit with prompts of {seq_length}, or {prompts_fit}",
+    )
 
 
 # -- the dataset --------------------------------------------------------------------------
@@ -522,8 +590,10 @@ def _check_source(
                     f"its fields are {upload.fields}",
                 )
             )
+        graded = isinstance(request.method, GrpoMethod) and bool(item_roots(request.method.grader))
         if isinstance(request.method, GrpoMethod):
             for lacking in missing_item_fields(request.method.grader, upload.fields):
+                graded = False  # no record has it: said once, not line by line
                 checked.problems.append(
                     field_problem(
                         "method.grpo.grader",
@@ -531,6 +601,21 @@ def _check_source(
                         f"has no field {lacking!r}; its fields are {upload.fields}",
                     )
                 )
+        # Checked whole for its purpose when it arrived; what only this run asks of each
+        # record (the grader's fields, whether prompts need a chat template) is read here.
+        if not missing and (graded or _template_question_open(request, checked)):
+            checked.problems.extend(
+                sampled_record_problems(
+                    lambda: _open_stored(upload.path),
+                    upload.format,
+                    request,
+                    checked,
+                    label=f"uploaded file {source}",
+                    field=name,
+                    total=upload.records,
+                    grade=graded,
+                )
+            )
         return
     if not is_local_source(source):
         return  # a hub id (the schema checked its shape): the cluster resolves it
@@ -542,7 +627,35 @@ def _check_source(
         return
     assert path is not None
     checked.spec["dataset"][key] = str(path)
-    checked.problems.extend(sampled_record_problems(path, request, field=name))
+    fmt = file_format(path) if path.is_file() else None
+    if fmt is not None:
+        checked.problems.extend(
+            sampled_record_problems(
+                lambda: path.open("rb"), fmt.name, request, checked, label=path.name, field=name
+            )
+        )
+
+
+def _template_question_open(req: RunRequest, checked: CheckedRequest) -> bool:
+    """Whether the records must say if a prompt is chat messages: the model's tokenizer
+    has no chat template, the request gives none, and no record read so far said it."""
+    return (
+        req.dataset.format in ("prompt", "preference")
+        and checked.model_has_chat_template is False
+        and checked.messages_at is None
+    )
+
+
+def _open_stored(location: str) -> BinaryIO:
+    """An uploaded file's bytes from its start, where storage keeps it: a folder, or an
+    object store (read as far as the records checked, not fetched whole)."""
+    if not is_uri(location):
+        return Path(location).open("rb")
+    try:
+        storage = Storage(location)
+        return io.BufferedReader(storage.fs.open_input_file(storage.fs_path(location)))
+    except StorageError as exc:
+        raise OSError(str(exc)) from exc
 
 
 def uploads_gone(session: Session, request: RunRequest, *, owner_id: str) -> list[Problem]:
@@ -573,9 +686,10 @@ def _no_upload(name: str, file_id: str) -> Problem:
     return field_problem(name, f"no uploaded file {file_id!r}")
 
 
-# Records of a local chat or preference file read at validation: enough to catch a file of
-# the wrong shape at once, while a large file still validates in well under a second. An
-# upload is checked whole when it arrives (app/services/files.py).
+# Records of a local chat, preference or prompt file read at validation: enough to catch a
+# file of the wrong shape at once, while a large file still validates in well under a
+# second. An upload is checked whole when it arrives (app/services/files.py); what a run
+# asks of each record beyond that (its grader's fields) is read from as many.
 SAMPLED_RECORDS = 1_000
 SAMPLED_ERRORS = 5
 
@@ -590,13 +704,23 @@ def _and_graded(rule: RecordProblem, grader: AnyGrader) -> RecordProblem:
 
 
 def sampled_record_problems(
-    path: Path, req: RunRequest, *, field: str = "dataset.source"
+    open_file: Opener,
+    fmt: str,
+    req: RunRequest,
+    checked: CheckedRequest,
+    *,
+    label: str,
+    field: str = "dataset.source",
+    total: int | None = None,
+    grade: bool = True,
 ) -> list[Problem]:
-    """The first records of a local chat or preference file, checked by the rules an
-    upload for that format is checked by, each problem with its line."""
+    """The first records of a chat, preference or prompt file (`label` names it), checked
+    by the rules an upload for that format is checked by and, for a grpo run (unless not
+    `grade`), for every field its grader reads, each problem with its line. Where a prompt
+    is chat messages is noted in `checked.messages_at`. `total`: the records the file
+    holds, where known."""
     ds = req.dataset
-    fmt = file_format(path) if path.is_file() else None
-    if fmt is None or ds.format not in ("chat", "preference", "prompt"):
+    if ds.format not in CHAT_FORMATS:
         return []
     checks = checks_for(
         purpose_of(req.task, ds.format),
@@ -605,17 +729,36 @@ def sampled_record_problems(
         chosen_field=ds.chosen_field,
         rejected_field=ds.rejected_field,
     )
-    if isinstance(req.method, GrpoMethod) and checks.record_problem is not None:
+    if grade and isinstance(req.method, GrpoMethod) and checks.record_problem is not None:
         checks = replace(
             checks,
             record_problem=_and_graded(checks.record_problem, req.method.grader),
         )
-    report = check_file(path, fmt=fmt.name, checks=checks, limit=SAMPLED_RECORDS)
+
+    def note_messages(where: str, record: dict[str, Any]) -> None:
+        if checked.messages_at is None and is_conversational(record.get(ds.prompt_field)):
+            checked.messages_at = f"{where} of {label}"
+
+    visit = note_messages if ds.format in ("prompt", "preference") else None
+    report = check_records(open_file, fmt=fmt, checks=checks, limit=SAMPLED_RECORDS, visit=visit)
+    return _sampled_report(report, label=label, field=field, data_format=ds.format, total=total)
+
+
+def _sampled_report(
+    report: FileReport, *, label: str, field: str, data_format: str, total: int | None
+) -> list[Problem]:
     shown = report.errors[:SAMPLED_ERRORS]
     more = len(report.errors) - len(shown) + report.more_errors
     problems = [
-        field_problem(field, f"{path.name} is not {ds.format} data: {error}") for error in shown
+        field_problem(field, f"{label} is not {data_format} data: {error}") for error in shown
     ]
+    # A problem past the records read here is the worker's to find: said where it applies.
+    bound = ""
+    if problems and report.limited:
+        of = f" of its {total:,}" if total is not None else ""
+        bound = f" (the first {SAMPLED_RECORDS:,}{of} records were checked here)"
     if more:
-        problems.append(field_problem(field, f"{path.name}: ... and {more} more"))
+        problems.append(field_problem(field, f"{label}: ... and {more} more{bound}"))
+    elif bound:
+        problems[-1]["message"] += bound
     return problems
