@@ -94,11 +94,10 @@ def _runners(grader: Any) -> Any:
     """Python graders run in the sandbox where this node has one. A grader with Python
     graders on a node without one ends the run; a grader without them needs none."""
     from contract.graders.grading import Runners
-    from contract.graders.models import MultiGrader, PythonGrader
+    from contract.graders.models import PythonGrader, scoring_leaves
     from contract.graders.sandbox import PythonSandbox, SandboxUnavailable
 
-    leaves = grader.graders.values() if isinstance(grader, MultiGrader) else [grader]
-    if not any(isinstance(leaf, PythonGrader) for leaf in leaves):
+    if not any(isinstance(leaf, PythonGrader) for _, leaf in scoring_leaves(grader)):
         return Runners()
     try:
         return Runners(python=PythonSandbox())

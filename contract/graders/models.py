@@ -238,3 +238,11 @@ Grader = Annotated[
     Discriminator("type"),
 ]
 AnyGrader = StringCheckGrader | TextSimilarityGrader | PythonGrader | ScoreModelGrader | MultiGrader
+
+
+def scoring_leaves(grader: AnyGrader) -> list[tuple[str | None, AnyGrader]]:
+    """The graders that score: a multi grader's, each with its key, or the grader itself,
+    keyed None. (The service names them by field, the worker's judges by key.)"""
+    if isinstance(grader, MultiGrader):
+        return list(grader.graders.items())
+    return [(None, grader)]

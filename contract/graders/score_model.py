@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from contract.graders.models import AnyGrader, MultiGrader, ScoreModelGrader
+from contract.graders.models import AnyGrader, ScoreModelGrader, scoring_leaves
 from contract.graders.templates import Sample, render
 
 # A judge's answer is a number or a short JSON object: OpenAI documents no default for
@@ -64,11 +64,11 @@ class JudgeReply:
 def judged_leaves(grader: AnyGrader) -> list[tuple[str, ScoreModelGrader]]:
     """The score_model graders of `grader`, each with a key that names it the same way
     wherever the grader is parsed: its key in a multi grader, or its own name."""
-    if isinstance(grader, MultiGrader):
-        return [(k, g) for k, g in grader.graders.items() if isinstance(g, ScoreModelGrader)]
-    if isinstance(grader, ScoreModelGrader):
-        return [(grader.name, grader)]
-    return []
+    return [
+        (leaf.name if key is None else key, leaf)
+        for key, leaf in scoring_leaves(grader)
+        if isinstance(leaf, ScoreModelGrader)
+    ]
 
 
 def messages_of(grader: ScoreModelGrader, sample: Sample, item: Any) -> list[dict[str, str]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.errors import field_problem
-from contract.graders.models import AnyGrader, MultiGrader, PythonGrader
+from contract.graders.models import AnyGrader, PythonGrader, scoring_leaves
 
 Problem = dict[str, str]
 
@@ -21,9 +21,10 @@ PYTHON_OFF = (
 def leaves(grader: AnyGrader, field: str) -> list[tuple[str, AnyGrader]]:
     """The graders that score (a multi grader's, or the grader itself), each with the field
     that names it."""
-    if isinstance(grader, MultiGrader):
-        return [(f"{field}.graders.{key}", sub) for key, sub in grader.graders.items()]
-    return [(field, grader)]
+    return [
+        (field if key is None else f"{field}.graders.{key}", leaf)
+        for key, leaf in scoring_leaves(grader)
+    ]
 
 
 def python_graders_in(grader: AnyGrader, field: str) -> list[tuple[str, PythonGrader]]:
