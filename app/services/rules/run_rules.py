@@ -406,8 +406,10 @@ def _read_model_config(path: Path, request: RunRequest, checked: CheckedRequest)
         checked.problems.append(problem)
 
 
-# The formats whose records may hold chat messages, rendered with a chat template.
-CHAT_FORMATS = ("chat", "preference", "prompt")
+# The formats whose prompts are text or chat messages, and those whose records may hold
+# chat messages at all: messages are rendered with a chat template.
+PROMPT_FORMATS = ("prompt", "preference")
+CHAT_FORMATS = ("chat", *PROMPT_FORMATS)
 
 
 def lora_target_problem(folder: Path, req: RunRequest) -> Problem | None:
@@ -437,7 +439,7 @@ def chat_template_problem(req: RunRequest, checked: CheckedRequest) -> Problem |
         return None
     if ds.format == "chat":
         what = "format 'chat' renders conversations with a chat template"
-    elif ds.format in ("prompt", "preference") and checked.messages_at is not None:
+    elif ds.format in PROMPT_FORMATS and checked.messages_at is not None:
         what = (
             f"{checked.messages_at} gives its prompt (dataset.prompt_field "
             f"{ds.prompt_field!r}) as chat messages, which format {ds.format!r} renders with "
@@ -640,7 +642,7 @@ def _template_question_open(req: RunRequest, checked: CheckedRequest) -> bool:
     """Whether the records must say if a prompt is chat messages: the model's tokenizer
     has no chat template, the request gives none, and no record read so far said it."""
     return (
-        req.dataset.format in ("prompt", "preference")
+        req.dataset.format in PROMPT_FORMATS
         and checked.model_has_chat_template is False
         and checked.messages_at is None
     )
@@ -739,7 +741,7 @@ def sampled_record_problems(
         if checked.messages_at is None and is_conversational(record.get(ds.prompt_field)):
             checked.messages_at = f"{where} of {label}"
 
-    visit = note_messages if ds.format in ("prompt", "preference") else None
+    visit = note_messages if ds.format in PROMPT_FORMATS else None
     report = check_records(open_file, fmt=fmt, checks=checks, limit=SAMPLED_RECORDS, visit=visit)
     return _sampled_report(report, label=label, field=field, data_format=ds.format, total=total)
 
