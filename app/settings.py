@@ -151,10 +151,10 @@ class Settings(BaseSettings):
     # Each may hold a thread and a CPU for up to its 2-minute limit.
     max_concurrent_python_graders: int = Field(default=2, ge=1)
 
-    # Experiment tracking (worker/tracking.py). The MLflow tracking server that runs asking
-    # for `tracking.mlflow` log to, as the cluster's nodes reach it; unset, no run may ask.
-    # A job gets it as MLFLOW_TRACKING_URI. W&B needs no setting: WANDB_API_KEY and
-    # WANDB_BASE_URL go from the service's environment to the runs that ask for W&B.
+    # Experiment tracking (worker/reporting/tracking.py). The MLflow tracking server that runs
+    # asking for `tracking.mlflow` log to, as the cluster's nodes reach it; unset, no run may ask. A
+    # job gets it as MLFLOW_TRACKING_URI. W&B needs no setting: WANDB_API_KEY and WANDB_BASE_URL go
+    # from the service's environment to the runs that ask for W&B.
     mlflow_tracking_uri: str | None = None
 
     @field_validator("storage_path", mode="before")

@@ -3,7 +3,7 @@ trained by a plain DeepSpeed script in one process, with no service, Ray or tune
 
 What it shares with the run on purpose, so that only the training machinery differs:
 the request it is given (validated by the same contract), the packed examples
-(worker.model_setup.prepare_examples), the DeepSpeed config (contract.deepspeed_config), the
+(worker.data.preparation.prepare_examples), the DeepSpeed config (contract.deepspeed_config), the
 checkpoint's weights loaded in the dtype the run trains in, AdamW with one parameter group
 (the request sets weight_decay 0, which gives tuneyard one group too) and a
 DistributedSampler with the run's seed (one replica), so both see the same batches in the
@@ -56,7 +56,7 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
         torch_dtype_name,
     )
     from contract.run_request import RunRequest, RunSpec
-    from worker.model_setup import prepare_examples
+    from worker.data.preparation import prepare_examples
 
     spec = RunSpec.for_attempt(
         RunRequest.model_validate(request).worker_fields(),

@@ -84,8 +84,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from app.cli.tiny_assets import build_tiny_llama
-    from worker.grpo import evaluate_reward, grpo_step
-    from worker.train_loop import batches_from, build_training
+    from worker.training.grpo import evaluate_reward, grpo_step
+    from worker.training.loop import batches_from, build_training
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,9 +3,9 @@ rank's measured peak resident memory, for ZeRO stages 0 to 3 on a ~114M-paramete
 
 For each stage the service validates the request (the estimate: its `memory_per_worker`
 lines and their peak), then a probe trains the same spec for a few steps as a Ray job on
-the service's Ray head, on tuneyard's own code path (`worker.train_loop.build_training`:
-tokenizer, data, `worker.model_setup.build_model`, `deepspeed.initialize` with the
-resolved config; then `worker.train_loop.train_step`), and records on every rank:
+the service's Ray head, on tuneyard's own code path (`worker.training.loop.build_training`:
+tokenizer, data, `worker.model.loading.build_model`, `deepspeed.initialize` with the
+resolved config; then `worker.training.loop.train_step`), and records on every rank:
 
 - peak RSS: the kernel's high-water mark of the rank process's resident memory
   (`getrusage(RUSAGE_SELF).ru_maxrss`) from the process's start through the last step.
@@ -154,9 +154,9 @@ def _phases_of_build(sampler: PhaseSampler) -> Iterator[None]:
     wrapping the functions it calls; they behave exactly as before."""
     import deepspeed
 
-    import worker.model_setup as model_setup
+    import worker.model.loading as model_loading
 
-    build_model, initialize = model_setup.build_model, deepspeed.initialize
+    build_model, initialize = model_loading.build_model, deepspeed.initialize
 
     def load(*args: Any, **kwargs: Any) -> Any:
         sampler.enter("load")
@@ -166,11 +166,11 @@ def _phases_of_build(sampler: PhaseSampler) -> Iterator[None]:
         sampler.enter("initialize")
         return initialize(*args, **kwargs)
 
-    model_setup.build_model, deepspeed.initialize = load, init
+    model_loading.build_model, deepspeed.initialize = load, init
     try:
         yield
     finally:
-        model_setup.build_model, deepspeed.initialize = build_model, initialize
+        model_loading.build_model, deepspeed.initialize = build_model, initialize
 
 
 def _label_step_phases(engine: Any, sampler: PhaseSampler) -> None:
@@ -197,13 +197,13 @@ def probe_worker(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from contract.run_request import RunSpec
-    from worker.train_loop import batches_from, build_training, place_rank, train_step
+    from worker.training.loop import batches_from, build_training, place_rank, train_step
 
     spec = RunSpec.model_validate(config["spec"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
     place_rank(spec, local_world_size=context.get_local_world_size())
-    # What every run imports before it builds anything (worker.train_loop imports the
+    # What every run imports before it builds anything (worker.training.loop imports the
     # rest lazily, as a run does).
     import datasets  # noqa: F401
     import deepspeed  # noqa: F401
@@ -454,7 +454,7 @@ def report(results: list[dict[str, Any]], *, steps: int) -> None:
             f"Llama of {parameters:,} parameters (hidden 768, 12 layers, 12 heads, gated MLP "
             f"3072, vocab 512, untied), fp32, 2 CPU workers (gloo), batch {BATCH_SIZE} x "
             f"{SEQ_LENGTH} packed tokens per worker, {steps} steps; run by the probe on "
-            "tuneyard's own code path (worker.train_loop.build_training, train_step) as a Ray "
+            "tuneyard's own code path (worker.training.loop.build_training, train_step) as a Ray "
             "job on the service's Ray head.",
             "Estimate: `estimate.memory_per_worker.peak.total` from POST /v1/runs/validate for "
             "the same request. Measured: each rank's ru_maxrss (peak resident memory of the "

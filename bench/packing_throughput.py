@@ -5,7 +5,7 @@ The data: short news-like texts whose lengths follow a lognormal spread (median 
 tokens, a long tail past 512), written to a local jsonl file. Both sides: the tiny GPT-2,
 ZeRO-2, fp32, 2 CPU workers, batch 8 per worker, seq_length 512, a fixed number of steps,
 on the service's Ray head. tuneyard runs go through the service over HTTP (its own data
-pipeline, worker/data.py); the tutorial script (bench/tutorial_baseline.py) runs as a plain
+pipeline, worker/data/loading.py); the tutorial script (bench/tutorial_baseline.py) runs as a plain
 Ray job. A third row shows tuneyard without packing (it pads each batch to its longest row).
 
     python -m bench.packing_throughput [--steps 40] [--repeats 3]
@@ -213,7 +213,8 @@ def report(
             f"longer than seq_length {SEQ_LENGTH}.",
             f"Tiny GPT-2, ZeRO-2, fp32, 2 CPU workers, batch {BATCH_SIZE} per worker, "
             f"seq_length {SEQ_LENGTH}, {steps} steps, the first {WARMUP_STEPS} left out; "
-            "tuneyard through the real service (its own data pipeline, worker/data.py), the "
+            "tuneyard through the real service (its own data pipeline, "
+            "worker/data/loading.py), the "
             "tutorial script as a plain Ray job on the same Ray head.",
             "Useful tokens/s = non-padding tokens of the steady steps / their wall-clock "
             "time on rank 0; per CPU s = / rank 0's process CPU time over the same steps, "

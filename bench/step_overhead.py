@@ -8,7 +8,7 @@ them: one CPU and one torch thread per rank) and take turns, one step each, in a
 that alternates: drift hits both alike, and the per-step ratio is tuneyard's cost in the
 step to within about a percent.
 
-- tuneyard: `worker.train_loop.build_training` (tokenizer, data with its collator,
+- tuneyard: `worker.training.loop.build_training` (tokenizer, data with its collator,
   model, optimizer, scheduler, DeepSpeed engine) from the same run request that
   training_overhead submits, then `train_step` and `MetricSinks.log_step` every step, with
   rank 0 posting its metrics over HTTP to a local receiver that answers at once.
@@ -94,8 +94,8 @@ def _rank(rank: int, config: dict[str, Any]) -> None:
     )
     from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
     from contract.run_request import RunSpec
-    from worker.metrics import MetricSinks
-    from worker.train_loop import batches_from, build_training, train_step
+    from worker.reporting.metrics import MetricSinks
+    from worker.training.loop import batches_from, build_training, train_step
 
     # Ray gives a 1-CPU worker one OpenMP thread; do the same for both sides.
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """ZeRO-3 load memory: each rank's peak resident memory while the model is created, before
 (every rank builds the whole model, as tuneyard did) and after (the model is created
-partitioned inside `deepspeed.zero.Init`, worker.model_setup.build_model), on a
+partitioned inside `deepspeed.zero.Init`, worker.model.loading.build_model), on a
 ~114M-parameter Llama, 2 workers.
 
 Both sides run the same probe as a Ray job on the service's Ray head; only the loader
@@ -9,7 +9,7 @@ differs:
 - before: `AutoModelForCausalLM.from_pretrained(model, dtype=float32)` with no
   `HfDeepSpeedConfig` alive, then `deepspeed.initialize` partitions the whole model (the
   old path, reproduced here only);
-- after: `worker.model_setup.build_model(..., ds_config, precision="fp32")`, which keeps
+- after: `worker.model.loading.build_model(..., ds_config, precision="fp32")`, which keeps
   transformers' `HfDeepSpeedConfig` alive so `from_pretrained` builds each parameter
   partitioned, rank 0 alone reading the checkpoint;
 - after-mmap: the same with glibc's mmap threshold fixed at 128 KiB just before loading,
@@ -72,8 +72,10 @@ def load_probe_worker(config: dict[str, Any]) -> None:
 
     from contract.deepspeed_config import resolve_deepspeed_config
     from contract.run_request import RunSpec
-    from worker.model_setup import build_data, build_model, build_optimizer, load_tokenizer
-    from worker.train_loop import batches_from, model_hidden_size, place_rank, train_step
+    from worker.data.preparation import build_data
+    from worker.model.loading import build_model, load_tokenizer
+    from worker.training.loop import batches_from, model_hidden_size, place_rank, train_step
+    from worker.training.optimizer import build_optimizer
 
     spec = RunSpec.model_validate(config["spec"])
     side = config["worker"]
@@ -221,7 +223,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
             "head.",
             "Before: from_pretrained(dtype=float32) with no HfDeepSpeedConfig alive, every "
             "rank building the whole model, then deepspeed.initialize partitions it (the old "
-            "path, reproduced in the benchmark only). After: worker.model_setup.build_model, "
+            "path, reproduced in the benchmark only). After: worker.model.loading.build_model, "
             "which creates the model inside deepspeed.zero.Init. 'After, 128 KiB mmap "
             "threshold': the same, with glibc told to give every allocation from 128 KiB up "
             "pages of its own (mallopt M_MMAP_THRESHOLD) just before loading; a diagnostic, "

@@ -1,5 +1,5 @@
 """Bodies the worker posts to /v1/internal/runs/{id}/…, authenticated by the run token:
-the worker builds them (worker/service_client.py) and the service validates them
+the worker builds them (worker/reporting/service_client.py) and the service validates them
 (app/api/internal.py), so a field, a failure code or an event type is spelled once.
 
 Every number that reaches an INTEGER column is bounded by what PostgreSQL holds, and every
@@ -23,7 +23,7 @@ class FailureCode(StrEnum):
     cluster error is retried from the latest checkpoint, a training error is not), so a
     misspelt code must fail where it is written, not turn a retry into a failure."""
 
-    # Said by the worker (worker/failures.py).
+    # Said by the worker (worker/reporting/failures.py).
     TRAINING_ERROR = "training_error"  # the run's own model, data, code or memory
     CLUSTER_ERROR = "cluster_error"  # Ray failed under the run (a node or the head went away)
     UNPLACEABLE = "unplaceable"  # no node of the cluster could ever hold a worker

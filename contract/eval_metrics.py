@@ -1,6 +1,6 @@
 """Which evaluation metrics a run produces, and which way each one improves.
 
-The worker's evaluation (worker/evaluation.py) writes these names; the service checks a
+The worker's evaluation (worker/training/evaluation.py) writes these names; the service checks a
 request's `early_stopping.metric` and `checkpointing.best_metric` against them, so a typo
 is a 422 before any compute instead of a run that never stops.
 """
@@ -11,7 +11,7 @@ from typing import Literal
 
 Mode = Literal["min", "max"]
 
-# Method dpo's pair metrics, as TRL's DPOTrainer names them (worker/dpo.py computes them).
+# Method dpo's pair metrics, as TRL's DPOTrainer names them (worker/training/dpo.py computes them).
 PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",

@@ -43,7 +43,7 @@ def is_reserved(name: str) -> bool:
     return name in RESERVED_NAMES or name.startswith(RESERVED_PREFIX)
 
 
-# Experiment tracking (worker/tracking.py). The MLflow server a run that asks for MLflow
+# Experiment tracking (worker/reporting/tracking.py). The MLflow server a run that asks for MLflow
 # logs to: the service's TUNEYARD_MLFLOW_TRACKING_URI, under MLflow's own name for it.
 MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 # The trackers' credentials: a run that asks for a tracker gets the service's own values of

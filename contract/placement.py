@@ -4,8 +4,8 @@ Ray Train waits for a placement group that cannot be satisfied and, by default, 
 that wait without end (a worker-group start timeout is a retryable controller error), so
 a GPU run on a cluster without GPUs would sit in `running` forever. This rule is applied
 twice: by the service at validation (app/services/placement.py), against the nodes the
-cluster has, and by the job's driver before `fit()` (worker/placement.py), from inside the
-cluster. Each worker is one placement bundle (`worker_demand`, what worker/trainer.py asks
+cluster has, and by the job's driver before `fit()` (worker/reporting/placement.py), from inside the
+cluster. Each worker is one placement bundle (`worker_demand`, what worker/training/trainer.py asks
 Ray Train for) that must fit on a single node, so what matters is each node's shape, not
 only the cluster's totals.
 """
@@ -33,7 +33,8 @@ class Shortfall:
 
 
 def worker_demand(res: ResourcesSpec) -> dict[str, float]:
-    """What one worker reserves on its node, as Ray Train asks for it (worker/trainer.py)."""
+    """What one worker reserves on its node, as Ray Train asks for it
+    (worker/training/trainer.py)."""
     demand = {"CPU": float(res.cpus_per_worker)}
     if res.use_gpu:
         demand["GPU"] = float(res.gpus_per_worker or 1)

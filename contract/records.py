@@ -1,6 +1,6 @@
 """What makes one chat or preference record trainable: the rules that an upload is checked
 with (app/services/rules/file_checks.py) and that the worker applies to every record it reads
-(worker/chat.py, worker/preference.py), so a file the service accepted never fails them on
+(worker/data/chat.py, worker/data/preference.py), so a file the service accepted never fails them on
 the cluster.
 
 Chat records are OpenAI's fine-tuning chat format:

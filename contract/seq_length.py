@@ -3,7 +3,7 @@
 OpenAI's clients have no seq_length to give, and a fixed default is wrong both ways: too
 long for a model with few positions (refused), far too long for short examples (padding
 and memory for nothing). The worker chooses it from the tokenized training data
-(worker/model_setup.py `prepare_training`); the service's validation predicts the same
+(worker/data/preparation.py `prepare_training`); the service's validation predicts the same
 choice by running that same preparation (app/services/data_plan.py). Torch-free, shared.
 """
 

@@ -11,12 +11,12 @@ import sys
 
 from contract.callbacks import EventType, FailureCode
 from contract.run_request import RunSpec
-from worker.failures import describe_failure, failure_code
-from worker.logs import configure_worker_logging
-from worker.nodes import alive_nodes, lost_nodes_note
-from worker.placement import check_before_fit
-from worker.preemption import preempted_in
-from worker.service_client import ServiceClient
+from worker.reporting.failures import describe_failure, failure_code
+from worker.reporting.logs import configure_worker_logging
+from worker.reporting.nodes import alive_nodes, lost_nodes_note
+from worker.reporting.placement import check_before_fit
+from worker.reporting.service_client import ServiceClient
+from worker.training.preemption import preempted_in
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
         client.status("running")
         # A run the cluster can never hold fails here, not after Ray Train's placement wait.
         check_before_fit(spec, post_event=client.event)
-        from worker.trainer import build_trainer
+        from worker.training.trainer import build_trainer
 
         nodes_at_start = alive_nodes()
         result = build_trainer(spec).fit()

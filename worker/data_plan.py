@@ -26,7 +26,8 @@ from contract.run_request import RunSpec
 
 
 def plan(spec: RunSpec) -> dict[str, Any]:
-    from worker.model_setup import load_tokenizer, prepare_training
+    from worker.data.preparation import prepare_training
+    from worker.model.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(spec)

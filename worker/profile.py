@@ -2,7 +2,7 @@
 
 `POST /v1/runs/validate` with `profile: true` sends the request here to be measured before
 anyone pays for a run: the training is built exactly as a run builds it
-(`worker.train_loop.build_training`) and trains `steps` real steps (`train_step`) under Ray
+(`worker.training.loop.build_training`) and trains `steps` real steps (`train_step`) under Ray
 Train with the run's resources, so the numbers are those of the real parallel setup. Then
 rank 0 writes what was measured as JSON to the storage location in `PROFILE_ENV`, and the
 service reads it back (app/services/profiles.py). Nothing else a run does happens: no
@@ -55,7 +55,7 @@ def main() -> int:
         check_placement_now(spec)
         build_profile_trainer(spec, options, driver_started=driver_started).fit()
     except BaseException as exc:
-        from worker.failures import describe_failure, failure_code
+        from worker.reporting.failures import describe_failure, failure_code
 
         # A profile's codes are a run's, and `cluster_busy` of its own (app/schemas/profile.py).
         code: str = failure_code(exc)
@@ -82,7 +82,7 @@ def check_placement_now(spec: RunSpec) -> None:
 
     from contract.job_env import CLUSTER_AUTOSCALES_ENV
     from contract.placement import EPS, known, shape, worker_demand, workers
-    from worker.placement import placement_decision
+    from worker.reporting.placement import placement_decision
 
     try:
         if not ray.is_initialized():
@@ -116,10 +116,10 @@ def check_placement_now(spec: RunSpec) -> None:
 
 
 def build_profile_trainer(spec: RunSpec, options: ProfileOptions, *, driver_started: float) -> Any:
-    """The run's TorchTrainer (worker/trainer.py) without what outlives a run: no
+    """The run's TorchTrainer (worker/training/trainer.py) without what outlives a run: no
     checkpoints kept, no callbacks, and one try: a profile that failed says so, and a
     placement wait ends it."""
-    from worker.trainer import torch_trainer
+    from worker.training.trainer import torch_trainer
 
     return torch_trainer(
         spec,
@@ -138,11 +138,11 @@ def profile_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from worker.host_group import host_group
-    from worker.logs import configure_worker_logging
-    from worker.nodes import check_worker_nodes
-    from worker.remote_sources import with_local_sources
-    from worker.train_loop import batches_from, build_training, place_rank, train_step
+    from worker.data.remote_sources import with_local_sources
+    from worker.reporting.host_group import host_group
+    from worker.reporting.logs import configure_worker_logging
+    from worker.reporting.nodes import check_worker_nodes
+    from worker.training.loop import batches_from, build_training, place_rank, train_step
 
     spec = RunSpec.model_validate(config["spec"])
     options = ProfileOptions(**config["options"])

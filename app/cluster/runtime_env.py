@@ -34,7 +34,7 @@ def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
         {
             SPEC_ENV: spec.model_dump_json(),
             "PYTHONUNBUFFERED": "1",
-            # Ray Train's wait for the workers to be placed; worker/trainer.py makes its
+            # Ray Train's wait for the workers to be placed; worker/training/trainer.py makes its
             # expiry end the run (Ray's default retries it forever).
             PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
             CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",

@@ -88,7 +88,7 @@ def resolve(checked: CheckedRequest) -> dict[str, Any]:
 
 def _deepspeed_config(checked: CheckedRequest) -> dict[str, Any]:
     """The config the worker builds: bucket sizes from the model's hidden size, as the
-    worker reads it (worker.train_loop.model_hidden_size); unknown for a hub id."""
+    worker reads it (worker.training.loop.model_hidden_size); unknown for a hub id."""
     hidden = hidden_size_of(checked.model_config) if checked.model_config is not None else None
     return resolve_deepspeed_config(
         checked.resolved, bf16_supported=ASSUME_BF16_GPU, hidden_size=hidden
@@ -450,14 +450,14 @@ def _states(
 
 def keeps_reference_copy(spec: RunDefinition) -> bool:
     """DPO, and GRPO with a KL term, compare with the starting model: a copy of it unless
-    LoRA's adapters can be switched off instead (worker/dpo.py build_reference)."""
+    LoRA's adapters can be switched off instead (worker/training/dpo.py build_reference)."""
     method = spec.method
     compares = method.type == "dpo" or (method.type == "grpo" and method.beta > 0)
     return compares and spec.lora is None
 
 
 def reference_model_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
-    """The reference (worker/dpo.py): under LoRA the policy with its adapters disabled,
+    """The reference (worker/training/dpo.py): under LoRA the policy with its adapters disabled,
     nothing more; otherwise a frozen copy in its own inference engine, partitioned like the
     policy's parameters at ZeRO-3 and whole on every rank at other stages (it has no
     gradients or optimizer state for ZeRO-1/2 to shard)."""
@@ -470,7 +470,7 @@ def reference_model_bytes(spec: RunDefinition, model: ModelFacts, *, width: int)
 
 
 def generation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> int:
-    """GRPO's sampling (worker/generation.py): the KV cache of a micro-batch's rows at
+    """GRPO's sampling (worker/training/generation.py): the KV cache of a micro-batch's rows at
     their full length (keys and values, kv_dim each, per layer), and under ZeRO-3 the rest
     of the model gathered onto every rank for the step's generation."""
     if spec.method.type != "grpo":
@@ -484,12 +484,12 @@ def generation_bytes(spec: RunDefinition, model: ModelFacts, *, width: int) -> i
 
 
 def _judge_width(*, on_gpu: bool) -> int:
-    # worker/judge.py: bf16 on a GPU with native bf16 (validation assumes one), else fp32.
+    # worker/training/judge.py: bf16 on a GPU with native bf16 (validation assumes one), else fp32.
     return 2 if on_gpu and ASSUME_BF16_GPU else _FP32
 
 
 def judge_bytes(judges: Mapping[str, ModelFacts | None], *, on_gpu: bool) -> int:
-    """The score_model graders' judges (worker/judge.py): each model whole on every rank,
+    """The score_model graders' judges (worker/training/judge.py): each model whole on every rank,
     beside the policy, and the KV cache of one batch of its answers (BATCH_TOKENS prompt
     and answer tokens at most); judges whose files the service cannot read count 0."""
     width = _judge_width(on_gpu=on_gpu)
@@ -531,7 +531,7 @@ def _rows_per_example(spec: RunDefinition) -> int:
 
 def rows_per_micro_batch(spec: RunDefinition) -> int:
     """Sequences in one forward: DPO scores each pair's chosen and rejected answers in one
-    batch of twice the pairs (worker/preference.py); GRPO each prompt's completions."""
+    batch of twice the pairs (worker/data/preference.py); GRPO each prompt's completions."""
     return spec.training.batch_size_per_worker * _rows_per_example(spec)
 
 
@@ -590,7 +590,7 @@ def _load_time_peak(spec: RunDefinition, model: ModelFacts, *, width: int) -> Li
     transformers 5 maps a safetensors checkpoint into memory: a tensor stored in the
     trained dtype becomes a parameter without a copy (its pages count once read), one
     stored in another dtype is converted into a new one, the mapping read whole.
-    - ZeRO-3 creates the model partitioned (worker.model_setup keeps transformers'
+    - ZeRO-3 creates the model partitioned (worker.model.loading keeps transformers'
       HfDeepSpeedConfig alive, so `from_pretrained` runs inside `deepspeed.zero.Init`):
       each rank builds its partition (wΨ/dp), and rank 0, the worst, reads the whole
       checkpoint in host memory; `initialize` then copies the partitions into one flat

@@ -2,7 +2,7 @@
 
 Ray would accept the job and Ray Train would wait for workers that can never start (a GPU
 run on a cluster without GPUs, a worker larger than any node). The rule is the one the
-job's driver applies again from inside the cluster (worker/placement.py); here it is
+job's driver applies again from inside the cluster (worker/reporting/placement.py); here it is
 applied to the nodes the cluster has, read through the dashboard and cached for a few
 seconds. A cluster that may grow (TUNEYARD_CLUSTER_AUTOSCALES) is not judged by its
 current nodes, and a cluster that cannot be read refuses nothing: the dispatcher deals

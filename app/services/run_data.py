@@ -82,11 +82,11 @@ def list_checkpoints(session: Session, *, run: Run) -> list[Checkpoint]:
 
 def pruned_checkpoints(checkpoints: list[Checkpoint], *, definition: RunDefinition) -> set[int]:
     """The ids of the DeepSpeed checkpoints Ray Train has deleted from storage, by its rule
-    (worker/trainer.py `checkpoint_config`; a resumed attempt restores Ray Train's checkpoint
-    manager with the checkpoints, so the order runs across attempts): it keeps the
-    `keep_last` ranked highest and, always, the latest reported. Ranked by the order
-    reported, or by the best metric as ray/train/_internal/checkpoint_manager.py's
-    `_get_checkpoint_score` scores it, ties to the later."""
+    (worker/training/trainer.py `checkpoint_config`; a resumed attempt restores Ray Train's
+    checkpoint manager with the checkpoints, so the order runs across attempts): it keeps the
+    `keep_last` ranked highest and, always, the latest reported. Ranked by the order reported, or by
+    the best metric as ray/train/_internal/checkpoint_manager.py's `_get_checkpoint_score` scores
+    it, ties to the later."""
     keep_last = definition.checkpointing.keep_last
     reported = sorted((c for c in checkpoints if c.kind == "deepspeed"), key=lambda c: c.id)
     if not reported:
@@ -107,7 +107,7 @@ def ray_checkpoint_score(
     value by its kind's name), higher ranked higher: the value times the order, with NaN
     below everything. A checkpoint without the metric is scored as a value of -inf, which
     for `min` is the best of all: a worker from before every checkpoint carried the metric
-    (worker/eval_watch.py `ranked`) reported a preemption's checkpoint so, and Ray kept it
+    (worker/training/eval_watch.py `ranked`) reported a preemption's checkpoint so, and Ray kept it
     over the best one."""
     value = metrics.get(metric, -math.inf)
     if not isinstance(value, int | float):

@@ -6,7 +6,7 @@ with no value are flags in `errors` and a reward of 0, so a run counts them and 
 Python and score-model graders run elsewhere (a sandbox; a model on the cluster): the
 caller passes how, or leaves them to fail as `python_grader_server_error` /
 `model_grader_server_error` saying they are not available there. A training run's judges
-answer on its ranks first (worker/judge.py); `judged` reads those answers back."""
+answer on its ranks first (worker/training/judge.py); `judged` reads those answers back."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ Anything else (no number, a number among words, `true`, NaN) is a parse error, O
 `model_grader_parse_error`: the grade reports it (OpenAI's reward of 0), and a training run
 counts it as a failed grade. A score outside `range` is clipped to it, as OpenAI's is.
 
-Torch-free: the worker generates the answers (worker/judge.py), the grading reads them here.
+Torch-free: the worker generates the answers (worker/training/judge.py), the grading reads them
+here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which DeepSpeed checkpoints the service marks `pruned` (app/services/run_data.py) against
 what Ray Train's own checkpoint manager deletes from storage, for checkpoints as the worker
 reports them: its ranking metric at an evaluation's step, NaN between evaluations
-(worker/eval_watch.py `ranked`). The service is real (on a loopback port, a real database)
+(worker/training/eval_watch.py `ranked`). The service is real (on a loopback port, a real database)
 and hears of each checkpoint from the worker's CheckpointRecorder; Ray's manager is the
 class Ray Train's controller runs, on the run's real storage folder, without a cluster.
 """
@@ -29,11 +29,11 @@ from tests.app.conftest import served
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.app.worker_calls import job_token
 from tests.factories import run_request
-from worker.checkpoints import checkpoint_dir_name
-from worker.eval_watch import EvalWatch
-from worker.logs import LOGGER
-from worker.preemption import Preemption
-from worker.trainer import CheckpointRecorder, checkpoint_config
+from worker.model.checkpoints import checkpoint_dir_name
+from worker.reporting.logs import LOGGER
+from worker.training.eval_watch import EvalWatch
+from worker.training.preemption import Preemption
+from worker.training.trainer import CheckpointRecorder, checkpoint_config
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Retention:
     kept_by_ray: set[str]  # the checkpoint folders left in the run's storage
     kept_by_service: set[str]  # those the service's list does not mark pruned
     best_by_service: int | None  # the step of the checkpoint the list marks best
-    best_by_worker: int | None  # the step `export.from: best` loads (worker/eval_watch.py)
+    best_by_worker: int | None  # the step `export.from: best` loads (worker/training/eval_watch.py)
 
 
 def run_checkpoints(
@@ -135,7 +135,7 @@ def run_checkpoints(
         ray = CheckpointManager(checkpoint_config(spec, CheckpointConfig), storage)
         recorder = CheckpointRecorder(spec)
         watch = watches[0]
-        # The loop's latest metrics (worker/metrics.py `latest`).
+        # The loop's latest metrics (worker/reporting/metrics.py `latest`).
         latest: dict[str, Any] = {"loss": 1.0}
         for s in saved:
             if s.kind == "eval":
@@ -145,7 +145,7 @@ def run_checkpoints(
             # A preemption's step is logged: its metrics are that step's alone.
             metrics = {"loss": 1.0, **marker} if s.kind == "preempt" else latest
             metrics = watch.ranked(metrics, step=s.step) if ranked else metrics
-            # As worker/checkpoints.py `save_and_report_checkpoint` reports them.
+            # As worker/model/checkpoints.py `save_and_report_checkpoint` reports them.
             metrics = {**metrics, "step": s.step, "epoch": s.step / 10}
             path = Path(storage.build_checkpoint_path_from_name(checkpoint_dir_name(s.step)))
             path.mkdir(parents=True)

@@ -15,7 +15,8 @@ from app.services import data_plan
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
 from tests.factories import run_request
-from worker.model_setup import load_tokenizer, prepare_examples, prepare_training
+from worker.data.preparation import prepare_examples, prepare_training
+from worker.model.loading import load_tokenizer
 
 WORDS = [
     "the",

@@ -27,7 +27,8 @@ from app.settings import Settings
 from contract.run_request import RunSpec
 from tests.app.conftest import served
 from tests.conftest import make_api_key
-from worker.model_setup import load_tokenizer, prepare_training
+from worker.data.preparation import prepare_training
+from worker.model.loading import load_tokenizer
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 

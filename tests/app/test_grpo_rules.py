@@ -428,7 +428,7 @@ class TestPositions:
     def test_an_unset_seq_length_leaves_prompts_the_shortest_length_the_worker_chooses(
         self, tmp_path: Path
     ) -> None:
-        # The worker refuses fewer than 2 positions for the prompts (model_setup.py).
+        # The worker refuses fewer than 2 positions for the prompts (worker/data/preparation.py).
         def problem(tokens: int, seq_length: int | None = None) -> Any:
             body = _grpo(tmp_path, max_completion_tokens=tokens)
             body["training"]["seq_length"] = seq_length

@@ -26,7 +26,7 @@ from app.settings import Settings
 from tests.app.conftest import HTTP_TIMEOUT_S, served, start_run
 from tests.app.worker_calls import run_location
 from tests.conftest import make_api_key
-from worker.service_client import MetricsSender, ServiceClient
+from worker.reporting.service_client import MetricsSender, ServiceClient
 
 NAN, INF = float("nan"), float("inf")
 
@@ -199,7 +199,7 @@ def reporter(live: LiveService) -> Iterator[tuple[ServiceClient, MetricsSender]]
 
 
 class TestTheWorkerReportsADivergingRun:
-    """worker/service_client.py against the real service."""
+    """worker/reporting/service_client.py against the real service."""
 
     def test_every_point_arrives_and_flush_says_so(
         self, live: LiveService, reporter: tuple[ServiceClient, MetricsSender]

@@ -17,7 +17,7 @@ from contract.deepspeed_config import resolve_deepspeed_config
 from contract.run_request import RunSpec
 from tests.app.test_dispatch import ScriptedRay, dispatch_to
 from tests.factories import run_request
-from worker.train_loop import model_hidden_size
+from worker.training.loop import model_hidden_size
 
 MODES: dict[str, dict[str, Any]] = {
     "zero0": {"zero_stage": 0},

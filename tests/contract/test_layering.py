@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def test_no_package_imports_across_the_layers(package: str) -> None:
 def test_the_rule_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
-        "def f():\n    from worker.trainer import build_trainer\n    import app.storage.db\n"
+        "def f():\n"
+        "    from worker.training.trainer import build_trainer\n"
+        "    import app.storage.db\n"
     )
     assert _imports(module) == {"worker", "app"}
 
@@ -74,10 +77,10 @@ def _folder(module: str) -> str:
     return ".".join(parts[:2])
 
 
-def _folder_graph() -> dict[str, set[str]]:
-    """Which of the service's folders imports which, wherever in a module the import is."""
+def _folder_graph(package: str = "app") -> dict[str, set[str]]:
+    """Which of a package's folders imports which, wherever in a module the import is."""
     graph: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "app").rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         source = _folder(".".join(path.relative_to(ROOT).with_suffix("").parts))
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -87,16 +90,13 @@ def _folder_graph() -> dict[str, set[str]]:
             else:
                 continue
             for module in modules:
-                if module.split(".")[0] == "app" and (target := _folder(module)) != source:
+                if module.split(".")[0] == package and (target := _folder(module)) != source:
                     graph.setdefault(source, set()).add(target)
     return graph
 
 
-def test_the_services_folders_import_each_other_one_way() -> None:
-    """No cycle between folders (routes over services over the cluster and storage; the
-    request rules under the services, the settings over the rules): a folder that imports
-    one that imports it back is one tangle, whatever the folders say."""
-    graph = _folder_graph()
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The edges a → b of `graph` from which a can be reached again."""
 
     def reaches(start: str, goal: str) -> bool:
         seen, todo = set(), [start]
@@ -108,7 +108,46 @@ def test_the_services_folders_import_each_other_one_way() -> None:
                 todo.append(after)
         return False
 
-    assert sorted((a, b) for a, targets in graph.items() for b in targets if reaches(b, a)) == []
+    return sorted((a, b) for a, targets in graph.items() for b in targets if reaches(b, a))
+
+
+def test_the_services_folders_import_each_other_one_way() -> None:
+    """No cycle between folders (routes over services over the cluster and storage; the
+    request rules under the services, the settings over the rules): a folder that imports
+    one that imports it back is one tangle, whatever the folders say."""
+    graph = _folder_graph()
+    assert _cycles(graph) == []
     # The layers below the services stay below them.
     for low in ("app.storage", "app.cluster", "app.services.rules"):
         assert not graph.get(low, set()) & {"app.services", "app.api", "app.main"}, low
+
+
+def test_the_workers_folders_import_one_way() -> None:
+    """The worker's folders as docs/architecture.md draws them: the training loop over the
+    model over the data, each of them free to report, and the reporting (callbacks,
+    metrics, trackers, logs) reading none of them back. The entry points at the top
+    (`python -m worker`, `worker.profile`, `worker.data_plan`) may use any folder."""
+    graph = _folder_graph("worker")
+    folders = {"worker.training", "worker.model", "worker.data", "worker.reporting"}
+    assert folders <= {f"worker.{p.name}" for p in (ROOT / "worker").iterdir() if p.is_dir()}
+    assert _cycles(graph) == []
+    allowed = {
+        "worker.training": {"worker.model", "worker.data", "worker.reporting"},
+        "worker.model": {"worker.data", "worker.reporting"},
+        "worker.data": {"worker.reporting"},
+        "worker.reporting": set(),
+    }
+    assert {f: graph.get(f, set()) - allowed[f] for f in folders} == {f: set() for f in folders}
+
+
+def test_the_folder_graph_sees_an_upward_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule above reads real imports: a reporting module importing the loop shows."""
+    package = tmp_path / "worker"
+    (package / "reporting").mkdir(parents=True)
+    (package / "reporting" / "m.py").write_text(
+        "def f():\n    from worker.training.loop import Attempt\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _folder_graph("worker") == {"worker.reporting": {"worker.training"}}

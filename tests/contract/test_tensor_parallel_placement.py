@@ -12,7 +12,7 @@ from contract.placement import (
     workers_that_fit,
 )
 from contract.run_request import ResourcesSpec
-from worker.nodes import layout_message
+from worker.reporting.nodes import layout_message
 
 GPU8 = {"CPU": 64.0, "GPU": 8.0}
 GPU6 = {"CPU": 64.0, "GPU": 6.0}

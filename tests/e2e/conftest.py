@@ -20,7 +20,7 @@ import pytest
 
 from app.cli.commands import WEBHOOK_SECRET_LABEL
 from app.ports import free_port
-from worker.step_gate import STEP_GATE_ENV
+from worker.training.step_gate import STEP_GATE_ENV
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -107,7 +107,7 @@ class Service:
         return run
 
     def hold_at(self, run_id: str, step: int) -> Path:
-        """Ask the run's workers to hold after `step` (worker/step_gate.py); the file that
+        """Ask the run's workers to hold after `step` (worker/training/step_gate.py); the file that
         appears when they do."""
         folder = Path(self.env[STEP_GATE_ENV])
         (folder / f"{run_id}.hold").write_text(str(step))
@@ -190,7 +190,7 @@ def make_service(
         ),
         # No hub is reachable here; offline mode makes a hub id fail at once, not after retries.
         "HF_HUB_OFFLINE": "1",
-        # Where a test asks a run to hold at a step (worker/step_gate.py); Ray's workers
+        # Where a test asks a run to hold at a step (worker/training/step_gate.py); Ray's workers
         # inherit it from the local head this service starts.
         STEP_GATE_ENV: str(step_gate_folder(home)),
     }

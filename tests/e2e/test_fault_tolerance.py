@@ -1,7 +1,7 @@
 """A training worker killed mid-run: Ray Train restarts the group from the latest checkpoint.
 
 Decided by state, not by the clock: the run holds after a step the test chooses (after a
-checkpoint, before its last step; worker/step_gate.py), the service has recorded that
+checkpoint, before its last step; worker/training/step_gate.py), the service has recorded that
 checkpoint (so Ray Train has registered it), and only then is one of its own workers
 killed. A kill timed by a wait could land after the last step on a fast machine, before
 Ray knew the checkpoint on a busy one (a restart from nothing), or on another run's worker

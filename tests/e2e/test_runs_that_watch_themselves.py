@@ -164,7 +164,7 @@ def test_webhooks_arrive_signed_once_each(
 def test_tracked_to_mlflow_and_wandb(service: Service, watched_run: dict[str, Any]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from tests.worker.test_tracking import _wandb_run, wandb_records
+    from tests.worker.reporting.test_tracking import _wandb_run, wandb_records
 
     run_id = watched_run["id"]
     client = MlflowClient(tracking_uri=service.env["TUNEYARD_MLFLOW_TRACKING_URI"])

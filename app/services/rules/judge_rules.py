@@ -1,6 +1,6 @@
 """The judges of a run's score_model graders: each grader's `model` is checked as the run's
 own `model` is (app/services/rules/run_rules.py), naming the grader's field, and resolved
-the same way for the worker (worker/judge.py loads it on every rank).
+the same way for the worker (worker/training/judge.py loads it on every rank).
 
 A judge is a hub id (the cluster resolves it), a local model folder inside the allowed
 roots, or one of the caller's earlier runs (its exported model). A local folder must hold

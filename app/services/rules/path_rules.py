@@ -11,7 +11,7 @@ path (every link followed), so neither a link nor `..` leads around the rule.
 
 A run's worker posts where it wrote its checkpoints and exports. Those locations must lie
 under storage/<run id>/, where Ray Train (RunConfig(name=run id)) and the export
-(worker/checkpoints.py) write them, so that the run's model download and a later
+(worker/model/checkpoints.py) write them, so that the run's model download and a later
 `model: <run id>` read that run's files and no one else's.
 """
 

@@ -494,7 +494,7 @@ def model_config_problems(config: dict[str, Any], req: RunRequest) -> list[Probl
 
 
 # The shortest prompt length the worker chooses for an unset seq_length
-# (worker/model_setup.py `prepare_training`, contract/seq_length.py).
+# (worker/data/preparation.py `prepare_training`, contract/seq_length.py).
 SHORTEST_CHOSEN_PROMPT = 2
 
 

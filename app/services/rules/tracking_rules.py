@@ -2,7 +2,7 @@
 service (checked before any compute), and what a tracked run's job gets from it.
 
 A tracker the service cannot serve is refused with a 422 rather than left to fail quietly
-on the cluster, where worker/tracking.py would only report it as an event: the client
+on the cluster, where worker/reporting/tracking.py would only report it as an event: the client
 package missing, no MLflow server configured, W&B online without an API key.
 
 Runs track under the service's credentials, so where a key's runs may write is the
