@@ -142,6 +142,7 @@ def profile_loop_per_worker(config: dict[str, Any]) -> None:
     from worker.reporting.host_group import host_group
     from worker.reporting.logs import configure_worker_logging
     from worker.reporting.nodes import check_worker_nodes
+    from worker.training.deepspeed_import import import_deepspeed
     from worker.training.loop import batches_from, build_training, place_rank, train_step
 
     spec = RunSpec.model_validate(config["spec"])
@@ -150,6 +151,7 @@ def profile_loop_per_worker(config: dict[str, Any]) -> None:
     rank = context.get_world_rank()
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
     place_rank(spec, local_world_size=context.get_local_world_size())
+    import_deepspeed()
     # Where a run builds its metric sinks: the gloo group the step's loss reductions use.
     group = host_group()
     check_worker_nodes(spec, rank=rank, post_event=lambda _type, message: log.info(message))

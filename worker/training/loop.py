@@ -22,6 +22,7 @@ from worker.model.checkpoints import (
 from worker.reporting.logs import configure_worker_logging
 from worker.reporting.metrics import MetricSinks, StepResult
 from worker.reporting.nodes import check_worker_nodes
+from worker.training.deepspeed_import import import_deepspeed
 from worker.training.eval_watch import EvalWatch
 from worker.training.jit_lock import clear_stale_jit_locks
 from worker.training.preemption import Preemption
@@ -39,6 +40,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank = context.get_world_rank()
     configure_worker_logging(run_id=spec.run_id, attempt=spec.attempt, rank=rank)
     place_rank(spec, local_world_size=context.get_local_world_size())
+    import_deepspeed()
     sinks = MetricSinks(spec, rank=rank)
     # Rank 0 asks the service, from now on, whether the scheduler wants the attempt to
     # stop; every rank votes on it at each step boundary (worker/training/preemption.py).

@@ -36,12 +36,12 @@ def torch_trainer(
 ) -> Any:
     """A `TorchTrainer` of `loop` on the run's workers (a run's, or a profile's)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from contract.placement import worker_demand
 
     res = spec.resources
-    return TorchTrainer(
+    return trainer_without_ray_data()(
         loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
@@ -66,6 +66,28 @@ def torch_trainer(
             callbacks=callbacks or [],  # type: ignore[arg-type]
         ),
     )
+
+
+def trainer_without_ray_data() -> Any:
+    """Ray Train's `TorchTrainer`, less its Ray Data hook when no Ray Dataset is given.
+
+    A run reads its data itself (worker/data/), yet Ray Train 2.60's `DatasetsCallback` starts
+    a `DatasetManager` actor for every worker group whether datasets were given or not
+    (ray/train/v2/_internal/callbacks/datasets.py), and sends Ray Data's context to every
+    worker: one more process per attempt, whose imports alone cost ~2 CPU seconds on the
+    node at the run's start. Nothing else reads either (a worker asks the manager only in
+    `get_dataset_shard`)."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+    class RunTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks: list[Any] = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+
+    return RunTrainer
 
 
 def checkpoint_config(spec: RunSpec, config_class: Any) -> Any:
