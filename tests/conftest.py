@@ -57,14 +57,34 @@ def drop_postgres_database(url: str, admin_url: str | None = None) -> None:
     admin.dispose()
 
 
+def _selected_halves(config: pytest.Config) -> tuple[bool, bool]:
+    """Whether this session runs any e2e test, and any other test, by the paths it was
+    given (pyproject's testpaths when none) less those it ignores."""
+    root = Path(config.rootpath)
+    e2e = (root / "tests" / "e2e").resolve()
+    ignored = {(root / p).resolve() for p in config.getoption("ignore") or []}
+    paths = [(root / a.split("::")[0]).resolve() for a in config.args] or [root / "tests"]
+    with_e2e = e2e not in ignored and any(
+        p == e2e or p.is_relative_to(e2e) or e2e.is_relative_to(p) for p in paths
+    )
+    with_rest = any(not (p == e2e or p.is_relative_to(e2e)) for p in paths)
+    return with_e2e, with_rest
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject's addopts): a process per e2e lane, whose time goes mostly to
-    its Ray cluster's own processes, and one per core beyond those for everything else.
-    PYTEST_XDIST_AUTO_NUM_WORKERS still decides when it is set, as it does in xdist's own."""
+    its Ray cluster's own processes, and one per core for everything else; both where a
+    session runs both halves. PYTEST_XDIST_AUTO_NUM_WORKERS still decides when it is set,
+    as it does in xdist's own."""
     if (chosen := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")).isdigit():
         return int(chosen)
     affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    with_e2e, with_rest = _selected_halves(config)
+    if not with_e2e:
+        return cores
+    if not with_rest:
+        return len(LANES)
     return len(LANES) + max(1, cores - len(LANES))
 
 

@@ -19,13 +19,13 @@ LANES: dict[str, tuple[str, ...]] = {
     "e2e-a": (
         "test_documented_examples.py",
         "test_defaults.py",
-        "test_dashboard.py",
         "test_fault_tolerance.py",
         "test_profile.py",
         "test_walking_skeleton.py",
     ),
     # About 25 runs. The own-cluster tests (`make test-own-clusters`) run here when selected.
     "e2e-b": (
+        "test_dashboard.py",
         "test_runs_that_watch_themselves.py",
         "test_fine_tune_methods.py",
         "test_openai_sdk.py",
