@@ -4,8 +4,9 @@ A lane's process starts its own session service and Ray head (`service` in conft
 per process), so the two lanes' runs overlap: one run's start-up (mostly single-threaded
 imports and actor launches) fills the other's idle core. The lanes are balanced by their
 time on a 2-core machine (the runs each module submits, the clusters it starts); a module
-missing here runs in the first lane. Every other test is a unit of its own, sent to
-whichever process is free.
+missing here runs in the first lane. `make test` runs the e2e half on its own, after the
+rest (the Makefile says why); in a session that runs both, every other test is a unit of
+its own, sent to whichever process is free.
 """
 
 from __future__ import annotations
