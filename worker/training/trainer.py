@@ -41,7 +41,7 @@ def torch_trainer(
     from contract.placement import worker_demand
 
     res = spec.resources
-    return trainer_without_ray_data()(
+    return lean_trainer()(
         loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
@@ -68,24 +68,34 @@ def torch_trainer(
     )
 
 
-def trainer_without_ray_data() -> Any:
-    """Ray Train's `TorchTrainer`, less its Ray Data hook when no Ray Dataset is given.
+def lean_trainer() -> Any:
+    """Ray Train's `TorchTrainer`, less two of its default hooks that a run does not need,
+    each an actor (a process whose imports alone cost ~2 CPU seconds at the run's start).
 
-    A run reads its data itself (worker/data/), yet Ray Train 2.60's `DatasetsCallback` starts
-    a `DatasetManager` actor for every worker group whether datasets were given or not
-    (ray/train/v2/_internal/callbacks/datasets.py), and sends Ray Data's context to every
-    worker: one more process per attempt, whose imports alone cost ~2 CPU seconds on the
-    node at the run's start. Nothing else reads either (a worker asks the manager only in
-    `get_dataset_shard`)."""
+    - Its Ray Data hook, when no Ray Dataset is given: a run reads its data itself
+      (worker/data/), yet Ray Train 2.60's `DatasetsCallback` starts a `DatasetManager`
+      actor for every worker group whether datasets were given or not
+      (ray/train/v2/_internal/callbacks/datasets.py) and sends Ray Data's context to every
+      worker. Nothing else reads either (a worker asks the manager only in
+      `get_dataset_shard`).
+    - Its placement-group cleaner: a detached actor that asks Ray's state API every second
+      whether the controller still lives, to remove the workers' placement group should
+      the controller die while the script that started it goes on. Here that script is the
+      job's driver (worker/__main__.py), which ends as soon as `fit()` raises, and Ray
+      removes the placement groups of a job that has ended."""
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     class RunTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
             callbacks: list[Any] = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+            unneeded: tuple[type, ...] = (PlacementGroupCleanerCallback,)
+            if not self.datasets:
+                unneeded += (DatasetsCallback,)
+            return [cb for cb in callbacks if not isinstance(cb, unneeded)]
 
     return RunTrainer
 
