@@ -39,9 +39,9 @@ lint: setup
 
 # The suite in two halves, one after the other: everything but the end-to-end tests on a
 # process per core, then the e2e lanes (tests/e2e/lanes.py), each with its own service and
-# Ray head. Side by side, the two halves took 45 minutes here where one after the other takes
-# far less: Ray runs its workers at nice 15, so the other half's processes took the cores
-# from the runs, and every run's many processes kept polling for longer than the run needed.
+# Ray head. Side by side, the two halves took about 40 minutes here (CI, 2 cores); one after
+# the other, 25. Ray runs its workers at nice 15, so the other half's processes took the
+# cores from the runs, and every run's many processes kept polling for longer than it needed.
 # Both halves run whatever the first gives; the target fails if either failed.
 test: lint
 	$(BIN)/python -m pytest --ignore=tests/e2e; first=$$?; \
