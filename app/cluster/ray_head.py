@@ -30,6 +30,7 @@ from app.settings import Settings
 log = logging.getLogger("tuneyard")
 
 STARTUP_TIMEOUT_S = 120
+START_ATTEMPTS = 3
 # Ray's log monitor re-globs its logs folder every 0.1 s while that holds fewer than 1,000
 # files (ray/_private/log_monitor.py, `should_update_filenames`), and every run leaves a
 # dozen processes' logs there: on 2 cores, the test suite's two heads, some runs old, spent
@@ -117,6 +118,28 @@ def _attach_or_start(settings: Settings) -> LocalRayHead:
         _signal_group(head.pid, signal.SIGKILL)  # whatever of the dead head is left
         state_file.unlink()
 
+    # A port found free may be taken by another process before Ray binds it (two services
+    # starting side by side): `ray start` then exits at once, and fresh ports are tried.
+    for attempt in range(1, START_ATTEMPTS + 1):
+        head, proc, log_path = _start(settings)
+        failure = _wait_until_ready(head, proc, token=_token(settings))
+        if failure is None:
+            state_file.write_text(json.dumps(asdict(head)))
+            log.info("started local Ray head at %s (pid %d)", head.dashboard_url, head.pid)
+            return head
+        head.stop(timeout_s=5)
+        tail = log_path.read_text(errors="replace")[-3000:]
+        if failure == "timed out" or attempt == START_ATTEMPTS:
+            raise RuntimeError(
+                f"the local Ray head did not start ({failure}); its log ends:\n{tail}"
+            )
+        log.warning(
+            "the local Ray head %s (attempt %d); starting it on other ports", failure, attempt
+        )
+    raise AssertionError("unreachable")
+
+
+def _start(settings: Settings) -> tuple[LocalRayHead, subprocess.Popen[bytes], Path]:
     ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
     # A short temp dir of its own per home: Ray's socket paths must stay under 108 bytes.
     digest = hashlib.sha256(str(settings.home_dir).encode()).hexdigest()[:10]
@@ -152,28 +175,46 @@ def _attach_or_start(settings: Settings) -> LocalRayHead:
         pid=proc.pid,
         temp_dir=temp_dir,
     )
+    return head, proc, log_path
+
+
+def _wait_until_ready(
+    head: LocalRayHead, proc: subprocess.Popen[bytes], *, token: str
+) -> str | None:
+    """None once the head is ready, else what went wrong: "exited with N" or "timed out"."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not _dashboard_up(head.dashboard_url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            head.stop(timeout_s=5)
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the local Ray head did not start; its log ends:\n{tail}")
+    while not _node_registered(head.dashboard_url, token=token):
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        if time.monotonic() > deadline:
+            return "timed out"
         time.sleep(0.5)
-    state_file.write_text(json.dumps(asdict(head)))
-    log.info("started local Ray head at %s (pid %d)", head.dashboard_url, head.pid)
-    return head
+    return None
+
+
+def _token(settings: Settings) -> str:
+    return (settings.ray_state_dir / "auth_token").read_text().strip()
 
 
 def forget_local_head(settings: Settings) -> None:
     (settings.ray_state_dir / "head.json").unlink(missing_ok=True)
 
 
-def _dashboard_up(url: str) -> bool:
+def _node_registered(url: str, *, token: str) -> bool:
+    """Whether the head's own node is in the dashboard's node list.
+
+    The dashboard answers before the raylet has registered with the GCS; a job submitted
+    in between waits for its supervisor actor with no node to place it on. Token auth is
+    on, so the request carries the head's token as a Bearer header (Ray's
+    http_token_authentication)."""
     try:
-        # Any answer at all, even 401, means the dashboard is serving.
-        httpx.get(f"{url}/api/version", timeout=2.0)
-        return True
-    except httpx.HTTPError:
+        response = httpx.get(
+            f"{url}/nodes?view=summary",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=2.0,
+        )
+        return response.status_code == 200 and bool(response.json()["data"]["summary"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -9,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from app.cluster.ray_head import _alive
+from app.cluster import ray_head
+from app.cluster.ray_head import (
+    _PORT_FLAGS,
+    _alive,
+    _node_registered,
+    ensure_local_head,
+    stop_local_head,
+)
+from app.ports import free_ports
+from app.settings import Settings
 
 # Stands for `serve --workers N`'s parent: it starts a child (the head) that ends and is never
 # reaped, so it stays a zombie of a process that is not the one asking.
@@ -44,3 +54,41 @@ def test_a_head_that_is_our_own_ended_child_is_reaped_and_not_alive() -> None:
     while _alive(head.pid):
         assert time.monotonic() < deadline, "the child never ended"
         time.sleep(0.1)
+
+
+def test_a_head_whose_port_was_taken_starts_on_other_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ray start` exits when a port found free was taken meanwhile (another service
+    starting beside this one); the service starts the head again on fresh ports, and calls
+    it started only once its node is registered, not once the dashboard answers."""
+    # configure_ray_auth sets these for the process: undone after the test.
+    monkeypatch.setenv("RAY_AUTH_MODE", "")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "")
+    settings = Settings(home=tmp_path, local_ray_num_cpus=1)
+    picked: list[list[int]] = []
+
+    def ports(count: int) -> list[int]:
+        chosen = list(free_ports(count))
+        if not picked:
+            # The dashboard's port, held below: Ray exits within seconds (a GCS port taken
+            # costs it 40 s of retries first).
+            chosen[_PORT_FLAGS.index("--dashboard-port")] = taken.getsockname()[1]
+        picked.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(ray_head, "free_ports", ports)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        head = ensure_local_head(settings)
+        try:
+            assert len(picked) == 2
+            dashboard_port = picked[1][_PORT_FLAGS.index("--dashboard-port")]
+            assert head.dashboard_url == f"http://127.0.0.1:{dashboard_port}"
+            token = (settings.ray_state_dir / "auth_token").read_text()
+            assert _node_registered(head.dashboard_url, token=token)
+            # Without the token the dashboard refuses: readiness is not "it answered".
+            assert not _node_registered(head.dashboard_url, token="not-the-token")
+        finally:
+            stop_local_head(settings)
