@@ -1,14 +1,19 @@
 """The GPU check's other side: the same model, data and DeepSpeed config as a tuneyard run,
 trained by a plain DeepSpeed script in one process, with no service, Ray or tuneyard loop.
 
-What it shares with the run on purpose, so that only the training machinery differs:
-the request it is given (validated by the same contract), the packed examples
-(worker.data.preparation.prepare_examples), the DeepSpeed config (contract.deepspeed_config), the
-checkpoint's weights loaded in the dtype the run trains in, AdamW with one parameter group
-(the request sets weight_decay 0, which gives tuneyard one group too) and a
-DistributedSampler with the run's seed (one replica), so both see the same batches in the
-same order. The loop is the DeepSpeed tutorial's: `engine(**batch)`, `engine.backward`,
-`engine.step`, timed from one step's end to the next with the device synchronised.
+What it shares with the run on purpose, so that both sides train the same thing and only
+the machinery around the step differs: the request it is given (validated by the same
+contract); the run's data loader (worker.data.preparation.build_data: the packed examples,
+the sampler with the run's seed, the collator), walked epoch by epoch as the run walks it;
+the model's inputs (worker.data.loading.model_inputs: a packed block's examples attend only
+to themselves, as in the run; with the attention mask left in, they would attend across
+examples whose positions restart); the DeepSpeed config (contract.deepspeed_config); the
+checkpoint's weights loaded in the dtype the run trains in; the optimizer, its parameter
+groups and its schedule (worker.training.optimizer.build_optimizer). The loop is the
+DeepSpeed tutorial's: `engine(**inputs)`, `engine.backward`, `engine.step`, timed from one
+step's end to the next with the device synchronised. What it leaves out is tuneyard's: Ray
+Train, the service, the step's loss shared across ranks and accumulation
+(worker/training/step_loss.py), metrics, preemption votes.
 
     python -m bench.gpu_check_plain --request REQUEST.json --out RESULT.json --steps 50
 """
@@ -45,9 +50,7 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     import deepspeed
     import psutil
     import torch
-    from torch.utils.data import DataLoader, DistributedSampler
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
-    from transformers.data.data_collator import default_data_collator
 
     from contract.deepspeed_config import (
         hidden_size_of,
@@ -56,7 +59,10 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
         torch_dtype_name,
     )
     from contract.run_request import RunRequest, RunSpec
-    from worker.data.preparation import prepare_examples
+    from contract.steps import StepPlan
+    from worker.data.loading import model_inputs, packs_in_one_row_for
+    from worker.data.preparation import build_data
+    from worker.training.optimizer import build_optimizer
 
     spec = RunSpec.for_attempt(
         RunRequest.model_validate(request).worker_fields(),
@@ -73,18 +79,8 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     set_seed(spec.training.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
-    examples, _ = prepare_examples(spec, tokenizer, split=None)
-    tr = spec.training
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        examples, num_replicas=1, rank=0, shuffle=True, seed=tr.seed, drop_last=True
-    )
-    loader = DataLoader(
-        examples,
-        batch_size=tr.batch_size_per_worker,
-        sampler=sampler,
-        collate_fn=default_data_collator,
-        drop_last=True,
-    )
+    loader = build_data(spec, tokenizer, rank=0).train
+    plan = StepPlan.for_examples(spec, examples=len(loader.dataset))
 
     bf16_ok = bool(use_gpu and torch.cuda.is_bf16_supported(including_emulation=False))
     hidden = hidden_size_of(AutoConfig.from_pretrained(spec.model).to_dict())
@@ -100,10 +96,11 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(
         spec.model, dtype=getattr(torch, torch_dtype_name(precision))
     )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tr.learning_rate, weight_decay=tr.weight_decay
+    optimizer, scheduler = build_optimizer(spec, model, total_steps=plan.total_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    one_row = packs_in_one_row_for(engine.module)
     device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
 
     def synchronize() -> None:
@@ -119,9 +116,10 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     synchronize()
     last = time.perf_counter()
     while len(step_times) < steps:
-        sampler.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
         for batch in loader:
-            loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+            on_device = {k: v.to(device) for k, v in batch.items()}
+            loss = engine(**model_inputs(on_device, one_row=one_row)).loss
             engine.backward(loss)
             engine.step()
             synchronize()

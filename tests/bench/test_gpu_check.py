@@ -1,5 +1,6 @@
-"""bench/gpu_check.py without a GPU: its arithmetic, its table, the requests it submits, and
-its plain DeepSpeed side trained for real on CPU (the dry run's settings).
+"""bench/gpu_check.py without a GPU: its arithmetic, its table, the requests it submits and
+when it compares the two sides' speeds. Both sides trained for real on CPU, through the
+service and the plain script, are tests/e2e/test_gpu_check_sides.py.
 
 The whole dry run (`python -m bench.gpu_check --dry-run`: the service, its Ray head, two
 runs and two plain runs) takes minutes on a 2-core machine, too long for the suite; its
@@ -76,7 +77,12 @@ class TestArithmetic:
 
 
 def measurement(
-    side: str, stage: int, *, step_s: float, kind: str = "gpu_allocated"
+    side: str,
+    stage: int,
+    *,
+    step_s: float,
+    kind: str = "gpu_allocated",
+    losses: tuple[float, ...] = (6.2, 6.0, 5.9, 5.8),
 ) -> Measurement:
     # The first step is slow (warm-up) and must not count.
     return Measurement(
@@ -85,7 +91,7 @@ def measurement(
         precision="bf16",
         step_times=[10.0, step_s, step_s, step_s],
         tokens=[4096.0] * 4,
-        losses=[6.2, 6.0, 5.9, 5.8],
+        losses=list(losses),
         peak_memory_bytes=3 * gpu_check.GIB,
         memory_kind=kind,
     )
@@ -145,6 +151,47 @@ class TestTable:
     def test_no_step_left_after_warm_up_is_an_error(self) -> None:
         with pytest.raises(ValueError, match="warm-up"):
             measurement(PLAIN, 2, step_s=1.0).tokens_per_second(warmup_steps=4)
+
+
+class TestLikeForLike:
+    """The speeds are compared only where both sides trained alike."""
+
+    def test_fp32_losses_within_1e_4_at_every_step_agree(self) -> None:
+        assert gpu_check.loss_mismatch([6.2, 6.0], [6.20005, 5.99995], precision="fp32") is None
+
+    def test_fp32_losses_apart_name_the_first_step_that_parts(self) -> None:
+        # The dry run's first losses before the plain script fed the model the run's inputs.
+        reason = gpu_check.loss_mismatch([6.2269, 6.0], [6.2080, 6.0], precision="fp32")
+        assert reason is not None
+        assert reason.startswith("step 1: loss 6.2269 against the plain script's 6.208")
+        assert reason.endswith("apart by more than 0.0001 (fp32)")
+
+    def test_bf16_allows_rounding_but_not_another_curve(self) -> None:
+        assert gpu_check.loss_mismatch([6.45, 4.0], [6.451, 4.1], precision="bf16") is None
+        # The H100's first run: the same start, then another curve from step 2 on.
+        reason = gpu_check.loss_mismatch([6.453, 3.659], [6.451, 5.023], precision="bf16")
+        assert reason is not None and reason.startswith("step 2:")
+        reason = gpu_check.loss_mismatch([6.6, 3.0], [6.45, 3.0], precision="bf16")
+        assert reason is not None and reason.startswith("step 1:") and "1%" in reason
+
+    def test_a_nan_or_a_missing_step_is_unlike(self) -> None:
+        assert gpu_check.loss_mismatch([math.nan], [6.2], precision="fp32")
+        reason = gpu_check.loss_mismatch([6.2], [6.2, 6.1], precision="fp32")
+        assert reason == "1 steps against the plain script's 2"
+
+    def test_the_ratio_is_withheld_for_a_stage_trained_unlike(self) -> None:
+        unlike = measurement(TUNEYARD, 3, step_s=0.5, losses=(6.2, 5.0, 4.0, 3.0))
+        measured = [m for m in MEASUREMENTS if (m.side, m.zero_stage) != (TUNEYARD, 3)]
+        rows = gpu_check.table_rows(
+            [*measured, unlike], warmup_steps=1, flops_per_token=3e9, peak_flops=989e12
+        )
+        by_side = {(r["side"], r["ZeRO"]): r for r in rows}
+        assert by_side[TUNEYARD, 3]["tokens/s vs plain"] == "withheld: trained unlike"
+        assert by_side[TUNEYARD, 3]["loss gap to plain, largest"] == "2.80e+00"
+        assert by_side[TUNEYARD, 2]["tokens/s vs plain"] == pytest.approx(0.8)
+        assert by_side[TUNEYARD, 2]["loss gap to plain, largest"] == "0.00e+00"
+        assert by_side[PLAIN, 2]["loss gap to plain, largest"] == "n/a"
+        assert set(gpu_check.mismatches([*measured, unlike])) == {3}
 
 
 class TestRequests:
@@ -207,25 +254,6 @@ class TestDryRun:
         assert report["valid"] is True, report["errors"]
         zero = report["resolved"]["deepspeed_config"]["zero_optimization"]
         assert zero["stage"] == stage
-
-    def test_the_plain_script_trains_the_same_request_on_cpu(
-        self, dry_assets: tuple[Path, Path], tmp_path: Path
-    ) -> None:
-        """ZeRO-3, the stage with the most to go wrong (the model created partitioned)."""
-        model, data = dry_assets
-        settings = CheckSettings(dry_run=True, steps=2, warmup_steps=1, batch_size=2, seq_length=64)
-        body = gpu_check.run_request(model, data, zero_stage=3, settings=settings)
-        measured = gpu_check.measure_plain(body, workdir=tmp_path, settings=settings)
-        assert (measured.side, measured.zero_stage, measured.precision) == (PLAIN, 3, "fp32")
-        assert len(measured.step_times) == 2
-        # Packed blocks: every step trains batch x seq_length tokens.
-        assert measured.tokens == [2 * 64, 2 * 64]
-        assert all(t > 0 for t in measured.step_times)
-        # A random model over a 512-token vocabulary starts near ln(512).
-        assert all(math.isfinite(v) for v in measured.losses)
-        assert abs(measured.losses[0] - math.log(512)) < 1.0
-        assert measured.memory_kind == "rss"
-        assert measured.peak_memory_bytes and measured.peak_memory_bytes > 0
 
 
 class TestEntryPoints:

@@ -21,6 +21,7 @@ LANES: dict[str, tuple[str, ...]] = {
         "test_documented_examples.py",
         "test_defaults.py",
         "test_fault_tolerance.py",
+        "test_gpu_check_sides.py",
         "test_profile.py",
         "test_walking_skeleton.py",
     ),
