@@ -13,7 +13,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from contract.bounds import INT32_MAX, refuse_nul
 
@@ -58,6 +58,24 @@ class EventType(StrEnum):
     PREEMPTED = "preempted"  # the attempt saved a checkpoint and stopped for the scheduler
     WAITING_FOR_RESOURCES = "waiting_for_resources"  # placement waits for the cluster to grow
     WORKERS_PLACED = "workers_placed"  # which node holds which rank
+    STARTUP_PHASE = "startup_phase"  # one part of an attempt's start, with its duration
+
+
+class StartupPhase(StrEnum):
+    """The parts of an attempt's start, in the order they happen: each is reported as a
+    `startup_phase` event with its `duration_seconds` (worker/reporting/startup.py says
+    where each is measured), so a slow start says where its time went."""
+
+    JOB = "job"  # the service's submit to the job's driver process starting (Ray's job start)
+    DRIVER = "driver"  # the driver's imports and checks, up to Ray Train's fit()
+    WORKERS = "workers"  # fit() to rank 0's process starting: placement, worker actors
+    PROCESS_GROUP = "process_group"  # rank 0's process to its training function: torch, CUDA,
+    # and the process group Ray Train starts
+    IMPORTS = "imports"  # the rank's device and threads, and DeepSpeed's import
+    DATA = "data"  # tokenizer, dataset loading, tokenizing and packing
+    MODEL = "model"  # the model's weights loaded (partitioned under ZeRO-3)
+    DEEPSPEED = "deepspeed"  # optimizer, schedule and deepspeed.initialize
+    FIRST_STEP = "first_step"  # the attempt's first optimizer step, warm-up and all
 
 
 WORKER_EVENTS = frozenset(
@@ -73,6 +91,7 @@ WORKER_EVENTS = frozenset(
         EventType.PREEMPTED,
         EventType.WAITING_FOR_RESOURCES,
         EventType.WORKERS_PLACED,
+        EventType.STARTUP_PHASE,
     }
 )
 
@@ -181,3 +200,17 @@ class EventPost(BaseModel):
     attempt: Attempt
     type: Annotated[EventType, _the_workers(WORKER_EVENTS)]
     message: Message
+    # A startup_phase event's, and only its.
+    phase: StartupPhase | None = None
+    duration_seconds: Annotated[float, Field(ge=0, le=INT32_MAX, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _phase_with_its_type(self) -> EventPost:
+        timed = self.phase is not None and self.duration_seconds is not None
+        if self.type == EventType.STARTUP_PHASE and not timed:
+            raise ValueError("a startup_phase event names its phase and its duration_seconds")
+        if self.type != EventType.STARTUP_PHASE and (
+            self.phase is not None or self.duration_seconds is not None
+        ):
+            raise ValueError("only a startup_phase event has a phase and duration_seconds")
+        return self

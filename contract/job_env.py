@@ -22,6 +22,10 @@ PROFILE_ENV = "TUNEYARD_PROFILE"
 # scheduler asks the attempt to checkpoint now and stop: preemption); the service sets it
 # to TUNEYARD_PREEMPTION_POLL_S.
 CONTROL_POLL_ENV = "TUNEYARD_CONTROL_POLL_S"
+# When the service handed the job to Ray, in seconds since the epoch on the service's clock:
+# the worker's first start-up phase ("job", contract/callbacks.py StartupPhase) is measured
+# from it, so a service and a head on different machines need their clocks in step (NTP).
+SUBMITTED_AT_ENV = "TUNEYARD_SUBMITTED_AT"
 # What the dispatcher sets in every job: no configured job variable may replace these, and
 # nothing named TUNEYARD_* at all.
 RESERVED_PREFIX = "TUNEYARD_"
@@ -34,6 +38,7 @@ RESERVED_NAMES = frozenset(
         PLACEMENT_TIMEOUT_ENV,
         PROFILE_ENV,
         CONTROL_POLL_ENV,
+        SUBMITTED_AT_ENV,
     }
 )
 

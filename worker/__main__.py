@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
-from contract.callbacks import EventType, FailureCode
+from contract.callbacks import EventType, FailureCode, StartupPhase
 from contract.run_request import RunSpec
 from worker.reporting.failures import describe_failure, failure_code
 from worker.reporting.logs import configure_worker_logging
 from worker.reporting.nodes import alive_nodes, lost_nodes_note
 from worker.reporting.placement import check_before_fit
 from worker.reporting.service_client import ServiceClient
+from worker.reporting.startup import StartupClock, process_started_at, submitted_at
 from worker.training.preemption import preempted_in
 
 
@@ -26,14 +28,21 @@ def main() -> int:
     log = logging.getLogger("tuneyard.worker")
     client = ServiceClient.from_env(run_id=spec.run_id, attempt=spec.attempt)
     nodes_at_start: dict[str, str] = {}
+    # Each part of the attempt's start, as an event with its duration (the ranks post theirs).
+    started, submitted = process_started_at(), submitted_at()
+    startup = StartupClock(client.startup_phase, since=submitted or started)
     try:
         client.status("running")
+        if submitted is not None:
+            startup.lap(StartupPhase.JOB, at=started)
         # A run the cluster can never hold fails here, not after Ray Train's placement wait.
         check_before_fit(spec, post_event=client.event)
         from worker.training.trainer import build_trainer
 
         nodes_at_start = alive_nodes()
-        result = build_trainer(spec).fit()
+        fit_at = time.time()
+        startup.lap(StartupPhase.DRIVER, at=fit_at)
+        result = build_trainer(spec, fit_started_at=fit_at).fit()
         log.info("finished, checkpoint %s", result.checkpoint)
     except BaseException as exc:
         message, code = describe_failure(exc), failure_code(exc)

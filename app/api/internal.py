@@ -144,7 +144,14 @@ async def post_event(
         # A `preempted` left here stopped for a preemption the run no longer waits on (it was
         # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
         kind = EventType.MESSAGE if body.type == EventType.PREEMPTED else body.type
-        event = record_event(session, run, type=kind, message=body.message)
+        event = record_event(
+            session,
+            run,
+            type=kind,
+            message=body.message,
+            phase=body.phase,
+            duration_seconds=body.duration_seconds,
+        )
         if body.type == EventType.EARLY_STOPPED:
             run_result.record_early_stop(run, body.message)
         # Once per early stop: a worker repeating its post is counted on the same event row.

@@ -4,6 +4,7 @@ app/services/profiles.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from contract.job_env import (
     CONTROL_POLL_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SPEC_ENV,
+    SUBMITTED_AT_ENV,
 )
 from contract.run_request import RunSpec
 
@@ -39,6 +41,8 @@ def job_runtime_env(spec: RunSpec, *, settings: Settings, env: Mapping[str, str]
             PLACEMENT_TIMEOUT_ENV: str(settings.placement_timeout_s),
             CLUSTER_AUTOSCALES_ENV: "1" if settings.cluster_autoscales else "0",
             CONTROL_POLL_ENV: str(settings.preemption_poll_s),
+            # Built just before the submit: where the worker's start-up phases begin.
+            SUBMITTED_AT_ENV: f"{time.time():.3f}",
             **env,
         }
     )

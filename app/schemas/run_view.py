@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from app.schemas.profile import ProfileView
 from app.storage.models import Checkpoint, Event, Metric
+from contract.callbacks import StartupPhase
 
 # A metric that is not a finite number (a diverging run's loss): JSON and SQLite's REAL
 # hold no NaN or infinity, so it is stored and served as null plus this flag.
@@ -398,6 +399,17 @@ class EventView(BaseModel):
         description="How many times in a row this same event happened (a dispatch retried "
         "while Ray is unreachable, for example): repeats are kept as one event.",
     )
+    phase: StartupPhase | None = Field(
+        default=None,
+        description="A `startup_phase` event's part of the attempt's start, in the order they "
+        "happen: job (submit to the job's driver), driver (its imports and checks), workers "
+        "(Ray Train placing and starting the ranks), process_group (a rank's torch, CUDA and "
+        "process group), imports (DeepSpeed), data, model, deepspeed (optimizer and engine), "
+        "first_step. Null for other events.",
+    )
+    duration_seconds: float | None = Field(
+        default=None, description="How long the `startup_phase` took. Null for other events."
+    )
     created_at: datetime
 
     @classmethod
@@ -409,6 +421,8 @@ class EventView(BaseModel):
             message=e.message,
             attempt=e.attempt,
             repeats=e.repeats or 1,
+            phase=StartupPhase(e.phase) if e.phase else None,
+            duration_seconds=e.duration_seconds,
             created_at=as_utc(e.created_at),
         )
 

@@ -55,19 +55,44 @@ def can_transition(current: RunStatus, new: RunStatus) -> bool:
 
 
 def record_event(
-    session: Session, run: Run, *, type: str, message: str, status: str | None = None
+    session: Session,
+    run: Run,
+    *,
+    type: str,
+    message: str,
+    status: str | None = None,
+    phase: str | None = None,
+    duration_seconds: float | None = None,
 ) -> Event:
     """The run's history, as users read it: secrets taken out, and the same event
     happening again in a row (a dispatcher retrying while Ray is away, a worker repeating
     itself) counted on the latest row, `repeats`, instead of adding one row per time."""
     message = redact(message)
-    same = (run.attempt, type, status, message)
+    same = (run.attempt, type, status, message, phase, duration_seconds)
     latest = _latest_event(session, run.id)
-    if latest is not None and (latest.attempt, latest.type, latest.status, latest.message) == same:
+    if (
+        latest is not None
+        and (
+            latest.attempt,
+            latest.type,
+            latest.status,
+            latest.message,
+            latest.phase,
+            latest.duration_seconds,
+        )
+        == same
+    ):
         latest.repeats = (latest.repeats or 1) + 1
         return latest
     event = Event(
-        run_id=run.id, attempt=run.attempt, type=type, status=status, message=message, repeats=1
+        run_id=run.id,
+        attempt=run.attempt,
+        type=type,
+        status=status,
+        message=message,
+        repeats=1,
+        phase=phase,
+        duration_seconds=duration_seconds,
     )
     session.add(event)
     return event

@@ -228,6 +228,9 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text, default="")
     # How many times in a row this same event happened (repeats are coalesced into one row).
     repeats: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # A startup_phase event's: which part of the attempt's start, and how long it took.
+    phase: Mapped[str | None] = mapped_column(String(32))
+    duration_seconds: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -249,3 +249,69 @@ class TestCheckpointCallback:
         body = {"attempt": 1, "step": 5, "path": "/x", "kind": "pickle"}
         r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
         assert r.status_code == 422
+
+
+class TestStartupPhaseEvents:
+    def test_stored_and_served_with_their_phase_and_duration(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        url = f"/v1/internal/runs/{run_id}/events"
+        for phase, seconds in (("job", 1.25), ("data", 0.5)):
+            r = client.post(
+                url,
+                headers=worker,
+                json={
+                    "attempt": 1,
+                    "type": "startup_phase",
+                    "message": f"{phase}: {seconds}s",
+                    "phase": phase,
+                    "duration_seconds": seconds,
+                },
+            )
+            assert r.status_code == 200, r.text
+        client.post(url, headers=worker, json={"attempt": 1, "type": "message", "message": "hi"})
+        events = client.get(f"/v1/runs/{run_id}/events", headers=auth).json()["data"]
+        phases = [
+            (e["type"], e["phase"], e["duration_seconds"])
+            for e in events
+            if e["type"] in ("startup_phase", "message")
+        ]
+        assert phases == [
+            ("startup_phase", "job", 1.25),
+            ("startup_phase", "data", 0.5),
+            ("message", None, None),
+        ]
+
+    @pytest.mark.parametrize(
+        ("body", "named"),
+        [
+            ({"type": "startup_phase"}, "names its phase and its duration_seconds"),
+            ({"type": "startup_phase", "phase": "data"}, "names its phase"),
+            (
+                {"type": "message", "phase": "data", "duration_seconds": 1.0},
+                "only a startup_phase event",
+            ),
+            ({"type": "startup_phase", "phase": "dinner", "duration_seconds": 1.0}, "phase"),
+            ({"type": "startup_phase", "phase": "data", "duration_seconds": -1}, "duration"),
+            ({"type": "startup_phase", "phase": "data", "duration_seconds": "NaN"}, "duration"),
+        ],
+    )
+    def test_a_phase_without_its_type_or_a_bad_duration_is_422(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        started: tuple[str, dict[str, str]],
+        body: dict[str, Any],
+        named: str,
+    ) -> None:
+        run_id, worker = started
+        r = client.post(
+            f"/v1/internal/runs/{run_id}/events",
+            headers=worker,
+            json={"attempt": 1, "message": "m", **body},
+        )
+        assert r.status_code == 422, r.text
+        assert named in r.text
+        events = client.get(f"/v1/runs/{run_id}/events", headers=auth).json()["data"]
+        assert not [e for e in events if e["message"] == "m"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from app.cli.tiny_assets import write_jsonl_dataset
+from contract.callbacks import StartupPhase
 from tests.e2e.conftest import Service
 
 pytestmark = pytest.mark.e2e
@@ -69,6 +71,16 @@ def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_d
     for name in ("loss", "learning_rate", "tokens_per_second", "samples_per_second", "epoch"):
         assert name in latest, latest
     assert latest["tokens_per_second"] > 0
+
+    # Where its start went: each phase once, in order, from the submit to the first step's
+    # end (worker/reporting/startup.py), inside the time from creation to the end.
+    events = service.http.get(f"/v1/runs/{run['id']}/events").json()["data"]
+    phases = [e for e in events if e["type"] == "startup_phase"]
+    assert [e["phase"] for e in phases] == [p.value for p in StartupPhase], phases
+    assert all(e["duration_seconds"] >= 0 and e["attempt"] == 1 for e in phases)
+    assert all(e["message"].startswith(f"{e['phase']}: ") for e in phases)
+    took = datetime.fromisoformat(run["finished_at"]) - datetime.fromisoformat(run["created_at"])
+    assert 0 < sum(e["duration_seconds"] for e in phases) < took.total_seconds()
 
     # DeepSpeed checkpoints at step 6 and at the end, on disk, with every rank's shards.
     checkpoints = service.http.get(f"/v1/runs/{run['id']}/checkpoints").json()["data"]

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from contract.callbacks import EventType
+from contract.callbacks import EventType, StartupPhase
 from contract.run_request import RunSpec
 from worker.reporting.host_group import host_group
 from worker.reporting.service_client import MetricsSender, ServiceClient
@@ -189,6 +189,11 @@ class MetricSinks:
         """One try, no retries: these are informational and must not delay training."""
         if self.client is not None:
             self.client.event(type, message, attempts=1)
+
+    def startup_phase(self, phase: StartupPhase, seconds: float) -> None:
+        """Rank 0's: one try, as an event (worker/reporting/startup.py)."""
+        if self.client is not None:
+            self.client.startup_phase(phase, seconds)
 
     def record(self, type: EventType, message: str) -> None:
         """An event that is part of the run's history, which users read to see what happened

@@ -33,6 +33,7 @@ from contract.callbacks import (
     EventType,
     FailureCode,
     MetricsPost,
+    StartupPhase,
     StatusPost,
     WorkerStatus,
 )
@@ -148,6 +149,17 @@ class ServiceClient:
         return self.post(
             "/events", self.body(EventPost, type=type, message=message), attempts=attempts
         )
+
+    def startup_phase(self, phase: StartupPhase, seconds: float, *, attempts: int = 1) -> bool:
+        """One part of the attempt's start and its duration (worker/reporting/startup.py)."""
+        body = self.body(
+            EventPost,
+            type=EventType.STARTUP_PHASE,
+            message=f"{phase.value}: {seconds:.1f}s",
+            phase=phase,
+            duration_seconds=seconds,
+        )
+        return self.post("/events", body, attempts=attempts)
 
     def control(self) -> dict[str, Any] | None:
         """The scheduler's word on this attempt: `{"preempt": false}` or `{"preempt": true,

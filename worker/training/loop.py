@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from contract.callbacks import EventType
+from contract.callbacks import EventType, StartupPhase
 from contract.run_request import RunSpec
 from contract.steps import StepPlan
 from worker.data.remote_sources import with_local_sources
@@ -22,6 +22,7 @@ from worker.model.checkpoints import (
 from worker.reporting.logs import configure_worker_logging
 from worker.reporting.metrics import MetricSinks, StepResult
 from worker.reporting.nodes import check_worker_nodes
+from worker.reporting.startup import StartupClock, process_started_at
 from worker.training.deepspeed_import import import_deepspeed
 from worker.training.eval_watch import EvalWatch
 from worker.training.jit_lock import clear_stale_jit_locks
@@ -35,6 +36,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
+    entered = time.time()
     spec = RunSpec.model_validate(config["spec"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -42,6 +44,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     place_rank(spec, local_world_size=context.get_local_world_size())
     import_deepspeed()
     sinks = MetricSinks(spec, rank=rank)
+    # This rank's part of the attempt's start (worker/reporting/startup.py); rank 0 posts it.
+    fit_started_at = config.get("fit_started_at")
+    started = process_started_at()
+    startup = StartupClock(sinks.startup_phase, since=fit_started_at or started)
+    if fit_started_at is not None:
+        startup.lap(StartupPhase.WORKERS, at=started)
+    startup.lap(StartupPhase.PROCESS_GROUP, at=entered)
+    startup.lap(StartupPhase.IMPORTS)
     # Rank 0 asks the service, from now on, whether the scheduler wants the attempt to
     # stop; every rank votes on it at each step boundary (worker/training/preemption.py).
     preemption = Preemption(attempt=spec.attempt, client=sinks.client, group=sinks.group)
@@ -53,7 +63,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     try:
         check_worker_nodes(spec, rank=rank, post_event=sinks.event)
         # An upload or an earlier run's export in object storage: read from local disk.
-        _train(with_local_sources(spec), rank=rank, sinks=sinks, preemption=preemption)
+        _train(
+            with_local_sources(spec),
+            rank=rank,
+            sinks=sinks,
+            preemption=preemption,
+            startup=startup,
+        )
     finally:
         preemption.close()
         sinks.close()
@@ -125,9 +141,11 @@ class Training:
     grade: Any = None
 
 
-def build_training(spec: RunSpec, *, rank: int) -> Training:
+def build_training(spec: RunSpec, *, rank: int, startup: StartupClock | None = None) -> Training:
     """Tokenizer, data, model, optimizer, scheduler and the DeepSpeed engine, as a run
-    trains with them (bench/step_overhead.py builds the same to time the step alone)."""
+    trains with them (bench/step_overhead.py builds the same to time the step alone);
+    `startup` laps its data, model and deepspeed phases."""
+    lap = startup.lap if startup is not None else lambda phase: None
     # Before DeepSpeed builds or loads its JIT ops (shared-memory comm in init_distributed,
     # CPU Adam when the optimizer is offloaded): a build lock a killed worker left behind
     # would make this rank wait for it forever.
@@ -145,6 +163,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     device = _device(spec)
     tokenizer = load_tokenizer(spec)
     data = build_data(spec, tokenizer, rank=rank)
+    lap(StartupPhase.DATA)
     # The count /v1/runs/validate gives for the same examples (contract/steps.py).
     plan = StepPlan.for_examples(spec, examples=len(data.train.dataset))
     # Native bf16 only: V100 and T4 report emulated bf16 as supported, and run it slowly.
@@ -156,6 +175,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
     )
     precision = resolve_precision(spec, bf16_supported=bf16_ok)
     loaded = build_model(spec, tokenizer, data.labels, ds_config=ds_config, precision=precision)
+    lap(StartupPhase.MODEL)
     if spec.method.type == "dpo":
         from worker.training.dpo import disable_dropout
 
@@ -173,7 +193,7 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         reference = build_reference(
             spec, tokenizer, engine=engine, ds_config=ds_config, precision=precision
         )
-    return Training(
+    training = Training(
         engine=engine,
         tokenizer=tokenizer,
         data=data,
@@ -184,6 +204,8 @@ def build_training(spec: RunSpec, *, rank: int) -> Training:
         generator=_generator(spec, tokenizer),
         grade=_judged_grading(spec, device=device, zero3_config=loaded.zero3_config),
     )
+    lap(StartupPhase.DEEPSPEED)
+    return training
 
 
 def _generator(spec: RunSpec, tokenizer: Any) -> Any:
@@ -212,8 +234,15 @@ def model_hidden_size(spec: RunSpec) -> int | None:
     return hidden_size_of(AutoConfig.from_pretrained(spec.model).to_dict())
 
 
-def _train(spec: RunSpec, *, rank: int, sinks: MetricSinks, preemption: Preemption) -> None:
-    attempt = Attempt.start(spec, rank=rank, sinks=sinks)
+def _train(
+    spec: RunSpec,
+    *,
+    rank: int,
+    sinks: MetricSinks,
+    preemption: Preemption,
+    startup: StartupClock,
+) -> None:
+    attempt = Attempt.start(spec, rank=rank, sinks=sinks, startup=startup)
     if attempt.train(preemption):
         # Stopped for the scheduler, its checkpoint saved: no final evaluation, no export and
         # no "succeeded". The driver tells the service, which requeues the run.
@@ -236,12 +265,16 @@ class Attempt:
     watch: EvalWatch
     step: int
     saved_at: int | None
+    # Until the attempt's first step ends, which is its start's last phase.
+    startup: StartupClock | None = None
 
     @classmethod
-    def start(cls, spec: RunSpec, *, rank: int, sinks: MetricSinks) -> Attempt:
+    def start(
+        cls, spec: RunSpec, *, rank: int, sinks: MetricSinks, startup: StartupClock | None = None
+    ) -> Attempt:
         """Built, and restored from the run's latest checkpoint where it has one."""
         setup_started = time.perf_counter()
-        training = build_training(spec, rank=rank)
+        training = build_training(spec, rank=rank, startup=startup)
         sinks.event(
             EventType.ENGINE_READY,
             f"tokenizer, data, model and DeepSpeed engine ready in "
@@ -260,7 +293,16 @@ class Attempt:
         log.info("training steps %d..%d", step, training.plan.total_steps)
         watch = EvalWatch(spec)
         watch.load_state_dict(restored.watch)
-        return cls(spec, rank, sinks, training, watch, step, saved_at=step if step else None)
+        return cls(
+            spec,
+            rank,
+            sinks,
+            training,
+            watch,
+            step,
+            saved_at=step if step else None,
+            startup=startup,
+        )
 
     def train(self, preemption: Preemption) -> bool:
         """Steps to the plan's end or an early stop; True when stopped for the scheduler."""
@@ -272,6 +314,11 @@ class Attempt:
             logged = step % tr.log_every_n_steps == 0 or step == plan.total_steps
             result, elapsed = self._step(batches, timed=logged)
             self.step = step
+            if self.startup is not None:
+                # Once: a GPU step may still be running when the host has queued it.
+                _synchronize(self.training.device)
+                self.startup.lap(StartupPhase.FIRST_STEP)
+                self.startup = None
             tokens_since_log += result.tokens
             # Once per optimizer step, on every rank alike. The last step is never
             # preempted: the run ends there anyway.

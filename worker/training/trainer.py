@@ -10,7 +10,9 @@ from contract.run_request import RunSpec
 from contract.storage import Storage
 
 
-def build_trainer(spec: RunSpec) -> Any:
+def build_trainer(spec: RunSpec, *, fit_started_at: float | None = None) -> Any:
+    """The run's trainer. `fit_started_at` (seconds since the epoch): when the driver calls
+    its `fit()`, where rank 0 measures the `workers` start-up phase from."""
     from ray.train import CheckpointConfig
 
     from worker.training.loop import train_loop_per_worker
@@ -18,7 +20,7 @@ def build_trainer(spec: RunSpec) -> Any:
     return torch_trainer(
         spec,
         train_loop_per_worker,
-        {"spec": spec.model_dump(mode="json")},
+        {"spec": spec.model_dump(mode="json"), "fit_started_at": fit_started_at},
         max_failures=spec.fault_tolerance.max_failures,
         checkpoint_config=checkpoint_config(spec, CheckpointConfig),
         callbacks=[CheckpointRecorder(spec), TrainingErrorStop()],
