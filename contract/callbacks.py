@@ -9,7 +9,7 @@ instead of answering a 422 that names the field.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -112,7 +112,8 @@ def _the_workers(allowed: frozenset[StrEnum]) -> AfterValidator:
 _strict = ConfigDict(extra="forbid", allow_inf_nan=True, ser_json_inf_nan="strings")
 
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Attempt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Strict: JSON's `true` is not attempt 1.
+Attempt = Annotated[int, Field(ge=0, le=INT32_MAX, strict=True)]
 # Finite: an epoch is counted, never diverges, and it is stored as is (SQLite would turn a
 # NaN into NULL, PostgreSQL keep it and JSON fail to serve it).
 Epoch = Annotated[float | None, Field(allow_inf_nan=False)]
@@ -162,13 +163,39 @@ class StatusPost(BaseModel):
     message: Message | None = None
     error: ErrorBody | None = None
 
+    @model_validator(mode="after")
+    def _error_with_failure_only(self) -> StatusPost:
+        # A succeeded run with an error, or a failed one without: what a user reads of the
+        # run would contradict itself, and a failure without a code cannot be retried right.
+        if self.status == "failed" and self.error is None:
+            raise ValueError("a failed status carries its error (code and message)")
+        if self.status != "failed" and self.error is not None:
+            raise ValueError(f"only a failed status carries an error, not {self.status!r}")
+        return self
+
+
+def _in_utc(value: datetime) -> datetime:
+    """A time as UTC (one without an offset is taken as UTC): SQLite keeps a time without
+    its offset, so another offset would be served as a different time; and a time that UTC
+    puts past year 9999 (or before year 1) is stored by PostgreSQL but cannot be read back
+    into Python, which failed every later read of the run's metrics."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    try:
+        value = value.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError("the time is out of range once in UTC") from exc
+    if not 1970 <= value.year <= 9999:
+        raise ValueError("the time must fall between the years 1970 and 9999 in UTC")
+    return value
+
 
 class MetricPoint(BaseModel):
     model_config = _strict
     step: Count
     name: MetricName
     value: MetricValue
-    time: datetime
+    time: Annotated[datetime, AfterValidator(_in_utc)]
 
 
 class Progress(BaseModel):
@@ -176,6 +203,15 @@ class Progress(BaseModel):
     step: Count
     total_steps: Count | None = None
     epoch: Epoch = None
+
+    @model_validator(mode="after")
+    def _within_the_run(self) -> Progress:
+        # A step past the end would read as a run trained out (and a fraction above 1).
+        if self.total_steps is not None and self.step > self.total_steps:
+            raise ValueError(
+                f"progress.step ({self.step}) is past progress.total_steps ({self.total_steps})"
+            )
+        return self
 
 
 class MetricsPost(BaseModel):

@@ -164,8 +164,10 @@ async def create_run(
     response_model=ValidationReport,
     summary="Validate a run request without creating it",
     description=(
-        "The same checks as `POST /v1/runs`, with nothing stored. Returns every problem "
-        "at once, the DeepSpeed config the worker would use, and an estimate of the cost. "
+        "Every check `POST /v1/runs` makes, with nothing stored, and more: where the "
+        "sequence length is left to the data or packing is on, the data is read and "
+        "tokenized as the worker would (the data plan). Returns every problem at once, the "
+        "DeepSpeed config the worker would use, and an estimate of the cost. "
         "With `profile: true`, a valid request is also trained for `profile_steps` real "
         "steps on the cluster, with its resources, and `profile` reports what was measured "
         "(step time, tokens/s, peak memory per worker, the run's estimated wall time and "

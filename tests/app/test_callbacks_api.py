@@ -315,3 +315,83 @@ class TestStartupPhaseEvents:
         assert named in r.text
         events = client.get(f"/v1/runs/{run_id}/events", headers=auth).json()["data"]
         assert not [e for e in events if e["message"] == "m"]
+
+
+class TestContradictoryCallbacks:
+    """Bodies a worker never sends, which would leave a run that contradicts itself."""
+
+    @pytest.mark.parametrize(
+        ("body", "named"),
+        [
+            (
+                {
+                    "status": "succeeded",
+                    "error": {"code": "training_error", "message": "boom"},
+                },
+                "only a failed status carries an error",
+            ),
+            ({"status": "failed", "error": None}, "a failed status carries its error"),
+            ({"status": "running", "attempt": True}, "attempt"),
+        ],
+    )
+    def test_a_status_at_odds_with_itself_is_422_and_changes_nothing(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        started: tuple[str, dict[str, str]],
+        body: dict[str, Any],
+        named: str,
+    ) -> None:
+        run_id, worker = started
+        r = client.post(
+            f"/v1/internal/runs/{run_id}/status", headers=worker, json={"attempt": 1, **body}
+        )
+        assert r.status_code == 422, r.text
+        assert named in r.text
+        run = client.get(f"/v1/runs/{run_id}", headers=auth).json()
+        assert (run["status"], run["error"]) == ("starting", None)
+
+    @pytest.mark.parametrize(
+        ("point", "progress", "named"),
+        [
+            # Past year 9999 once in UTC: PostgreSQL stored it, and every read of the run's
+            # metrics failed after.
+            ({"time": "9999-12-31T23:59:59-14:00"}, None, "out of range"),
+            ({"time": "0001-01-01T00:00:00+14:00"}, None, "out of range"),
+            ({}, {"step": 10, "total_steps": 3}, "past progress.total_steps"),
+        ],
+    )
+    def test_times_and_progress_out_of_range_are_422(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        started: tuple[str, dict[str, str]],
+        point: dict[str, Any],
+        progress: dict[str, Any] | None,
+        named: str,
+    ) -> None:
+        run_id, worker = started
+        body: dict[str, Any] = {
+            "attempt": 1,
+            "points": [{**_points(range(1, 2))[0], **point}],
+        }
+        if progress is not None:
+            body["progress"] = progress
+        r = client.post(f"/v1/internal/runs/{run_id}/metrics", headers=worker, json=body)
+        assert r.status_code == 422, r.text
+        assert named in r.text
+        assert client.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"] == []
+
+    def test_a_time_with_an_offset_is_stored_as_the_same_instant(
+        self, client: TestClient, auth: dict[str, str], started: tuple[str, dict[str, str]]
+    ) -> None:
+        run_id, worker = started
+        point = {"step": 1, "name": "loss", "value": 1.0, "time": "2026-11-29T12:00:00+02:00"}
+        r = client.post(
+            f"/v1/internal/runs/{run_id}/metrics",
+            headers=worker,
+            json={"attempt": 1, "points": [point]},
+        )
+        assert r.status_code == 200, r.text
+        (stored,) = client.get(f"/v1/runs/{run_id}/metrics", headers=auth).json()["data"]
+        assert datetime.fromisoformat(stored["time"]) == datetime(2026, 11, 29, 10, tzinfo=UTC)

@@ -83,6 +83,26 @@ class TestUploadFile:
         assert _count_files(session_factory) == 0
         assert list((settings.uploads_dir).iterdir()) == []
 
+    def test_a_field_name_the_database_cannot_hold_is_refused_and_nothing_is_stored(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        session_factory: sessionmaker[Session],
+    ) -> None:
+        """Field names are stored and listed with the file: a lone surrogate escape (no
+        UTF-8 for it) or a NUL (not in PostgreSQL's text) once gave a 500 after the file
+        was stored, and every later listing of the key's files failed too."""
+        data = b'{"text": "x", "\\ud800": "y"}\n{"text": "x", "a\\u0000b": "y"}\n'
+        response = client.post("/v1/files", files={"file": ("d.jsonl", data)}, headers=auth)
+
+        assert response.status_code == 422, response.text
+        assert _problems(response) == [
+            "line 1: the field name '\\ud800' is not valid Unicode (a lone surrogate escape)",
+            "line 2: the field name 'a\\x00b' holds a NUL character",
+        ]
+        assert _count_files(session_factory) == 0
+        assert client.get("/v1/files", headers=auth).status_code == 200
+
     def test_csv_errors_give_file_line_numbers(
         self, client: TestClient, auth: dict[str, str]
     ) -> None:

@@ -73,7 +73,10 @@ def post_status(
     **extra: Any,
 ) -> Reply:
     """POST the worker's status report {"attempt", "status", **extra} (e.g. `error`);
-    `check`: assert the service took it (200)."""
+    `check`: assert the service took it (200). A failure without an `error` given carries a
+    training error, as the worker's always does (the service refuses one without)."""
+    if status == "failed":
+        extra.setdefault("error", {"code": "training_error", "message": "it failed"})
     response = client.post(
         f"/v1/internal/runs/{run_id}/status",
         json={"attempt": attempt, "status": status, **extra},

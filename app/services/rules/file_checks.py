@@ -145,7 +145,10 @@ def check_records(
                 break
             report.records += 1
             for name in record:
-                seen_fields.setdefault(name, None)
+                if problem := _field_name_problem(name):
+                    report.error(f"{where}: the field name {name!r} {problem}")
+                else:
+                    seen_fields.setdefault(name, None)
             for problem in _record_problems(record, checks):
                 report.error(f"{where}: {problem}")
             if visit is not None:
@@ -159,6 +162,19 @@ def check_records(
         report.error("the file holds no records")
     report.fields = list(seen_fields)
     return report
+
+
+def _field_name_problem(name: str) -> str | None:
+    """Field names are stored with the file and served in its listing: one that UTF-8
+    cannot encode (JSON's lone surrogate escapes, "\\ud800") or PostgreSQL's text cannot
+    hold (NUL) would fail there, after the file was stored."""
+    if "\x00" in name:
+        return "holds a NUL character"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate escape)"
+    return None
 
 
 # OpenAI's purpose for every fine-tuning file; the records say which kind they are.
