@@ -323,3 +323,44 @@ class TestHealth:
         # The HTTP-only app has no Ray attached: degraded, not an error.
         assert body["ray"]["reachable"] is False
         assert body["status"] == "degraded"
+
+
+class TestLocalDataChecked:
+    """A local file's first records are checked at create by the rules an upload is checked
+    by: a run whose data lacks the field it reads is refused before any compute, whatever
+    the rest of the request (`seq_length` set, as the README's examples set it, once let it
+    through to fail on the cluster)."""
+
+    @pytest.mark.parametrize(
+        ("dataset", "message"),
+        [
+            ({"text_field": "nope"}, "line 1: missing field 'nope'"),
+            (
+                {"format": "prompt_completion", "completion_field": "answer"},
+                "line 1: missing field 'prompt'",
+            ),
+        ],
+    )
+    def test_a_field_the_run_reads_missing_from_the_file_is_422(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        session_factory: sessionmaker[Session],
+        dataset: dict[str, Any],
+        message: str,
+    ) -> None:
+        data = tmp_path / "news.jsonl"
+        data.write_text('{"text": "a b c"}\n' * 3)
+        body = run_request(
+            tmp_path,
+            dataset={"source": str(data), **dataset},
+            training={"max_steps": 2, "seq_length": 64},
+        )
+        response = client.post("/v1/runs", json=body, headers=auth)
+        assert response.status_code == 422, response.text
+        said = [p["message"] for p in response.json()["detail"] if p["field"] == "dataset.source"]
+        assert (
+            said[0] == f"news.jsonl is not {body['dataset'].get('format', 'text')} data: {message}"
+        )
+        assert _count_runs(session_factory) == 0

@@ -716,18 +716,20 @@ def sampled_record_problems(
     total: int | None = None,
     grade: bool = True,
 ) -> list[Problem]:
-    """The first records of a chat, preference or prompt file (`label` names it), checked
-    by the rules an upload for that format is checked by and, for a grpo run (unless not
-    `grade`), for every field its grader reads, each problem with its line. Where a prompt
-    is chat messages is noted in `checked.messages_at`. `total`: the records the file
-    holds, where known."""
+    """The first records of a file (`label` names it), checked by the rules an upload for
+    that format is checked by (the fields the run reads are there, of the right kind) and,
+    for a grpo run (unless not `grade`), for every field its grader reads, each problem with
+    its line. Where a prompt is chat messages is noted in `checked.messages_at`. `total`:
+    the records the file holds, where known."""
     ds = req.dataset
-    if ds.format not in CHAT_FORMATS:
-        return []
     checks = checks_for(
         purpose_of(req.task, ds.format),
-        messages_field=ds.messages_field,
+        text_field=ds.text_field,
+        text_pair_field=ds.text_pair_field,
+        label_field=ds.label_field or "label",
         prompt_field=ds.prompt_field,
+        completion_field=ds.completion_field,
+        messages_field=ds.messages_field,
         chosen_field=ds.chosen_field,
         rejected_field=ds.rejected_field,
     )
