@@ -76,6 +76,44 @@ def _name(value: str) -> str:
     return value
 
 
+# A split as the `datasets` library reads one (its arrow_reader's grammar): split names
+# joined by "+", each with an optional slice of rows or percents, and a percent slice with
+# an optional rounding. Checked here so that a malformed one is refused at the request, not
+# on the cluster after the data was fetched.
+_SPLIT_NAME = r"\w+(?:\.\w+)*"
+_SPLIT_PART = re.compile(
+    rf"^(?P<name>{_SPLIT_NAME})"
+    r"(?:\[(?:-?[\d_]+(?P<from_pct>%)?)?:(?:-?[\d_]+(?P<to_pct>%)?)?\])?"
+    r"(?:\((?P<rounding>[^)]*)\))?$"
+)
+_SPLIT_JOIN = re.compile(r"\s*\+\s*")
+SPLIT_ROUNDINGS = ("closest", "pct1_dropremainder")
+
+
+def split_problem(value: str) -> str | None:
+    """Why `value` is not a split `datasets` can read, or None."""
+    for part in _SPLIT_JOIN.split(value):
+        match = _SPLIT_PART.match(part)
+        if match is None:
+            return (
+                f"{_shown(value)} is not a split: a name ('train', 'train_sft'), optionally "
+                "sliced ('train[:1000]', 'train[10%:20%]'), several joined with '+'"
+            )
+        rounding = match["rounding"]
+        if rounding is not None:
+            if not (match["from_pct"] or match["to_pct"]):
+                return f"{_shown(value)}: a rounding goes only with a percent slice"
+            if rounding not in SPLIT_ROUNDINGS:
+                return f"{_shown(value)}: the rounding is one of {', '.join(SPLIT_ROUNDINGS)}"
+    return None
+
+
+def _split(value: str) -> str:
+    if problem := split_problem(value):
+        raise ValueError(problem)
+    return value
+
+
 def _shown(value: str, limit: int = 80) -> str:
     return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."
 
@@ -145,6 +183,7 @@ def _dataset_source(value: str, info: ValidationInfo) -> str:
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_name)
 ]
+Split = Annotated[Name, AfterValidator(_split)]
 ModelSource = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_PATH_BYTES), AfterValidator(_model_source)
 ]
@@ -170,7 +209,7 @@ class DatasetSpec(BaseModel):
         ".jsonl/.json/.csv/.parquet file or folder (an absolute path, or one starting with "
         "./ or ../) inside the allowed roots.",
     )
-    split: Name = "train"
+    split: Split = "train"
     config: Name | None = None
     text_field: Name = "text"
     text_pair_field: Name | None = None
@@ -197,7 +236,7 @@ class DatasetSpec(BaseModel):
     # For format=preference: the preferred and the dispreferred answer.
     chosen_field: Name = "chosen"
     rejected_field: Name = "rejected"
-    eval_split: Name | None = None
+    eval_split: Split | None = None
     eval_source: DatasetSource | None = Field(
         default=None,
         description="Evaluation examples from another file or dataset (the same forms as "

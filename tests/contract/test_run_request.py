@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from contract.job_env import SPEC_ENV
-from contract.run_request import RunRequest, RunSpec
+from contract.run_request import DatasetSpec, RunRequest, RunSpec
 
 
 def _request(**overrides: Any) -> dict[str, Any]:
@@ -296,3 +296,47 @@ class TestSources:
         assert "at most 255 bytes" in message
         # Counted in bytes, as the OS counts: 128 two-byte characters are 256 bytes.
         assert "dataset.source" in _refused_at(_request(dataset={"source": "/" + "é" * 128}))
+
+
+SPLITS = [
+    "train",
+    "train_sft",
+    "a.b",
+    "train[:1000]",
+    "train[:1_000]",
+    "train[-5:]",
+    "train[:]",
+    "train[10%:20%]",
+    "train[-10%:]",
+    "train[:10%](closest)",
+    "train[:10%](pct1_dropremainder)",
+    "train+test",
+    "train[:5] + test[2:]",
+    "validation[:50%]+validation[60%:]",
+    "train[abc]",
+    "train[",
+    "train[:5](closest)",
+    "train[:10%](nearest)",
+    "test-clean",
+    "train+",
+]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_split_is_read_as_the_datasets_library_reads_it(split: str) -> None:
+    """dataset.split and eval_split are refused at the request exactly where `datasets`
+    (which the worker loads with) would refuse them on the cluster."""
+    from datasets import ReadInstruction
+
+    from contract.run_request import split_problem
+
+    try:
+        ReadInstruction.from_spec(split)
+        readable = True
+    except (ValueError, AssertionError):
+        readable = False
+    assert (split_problem(split) is None) is readable
+    if not readable:
+        for field in ("split", "eval_split"):
+            with pytest.raises(ValidationError, match=field):
+                DatasetSpec.model_validate({"source": "ag_news", field: split})
