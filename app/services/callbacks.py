@@ -16,7 +16,7 @@ from app.schemas.run_view import CheckpointView, nonfinite_kind, stored_metric_v
 from app.security import hash_secret, secret_matches
 from app.services import lifecycle, run_result
 from app.services.lifecycle import Failure, record_event
-from app.services.rules.path_rules import run_location
+from app.services.rules.path_rules import export_problem, run_location
 from app.services.rules.webhook_rules import WebhookConfig
 from app.services.webhooks import enqueue_webhooks
 from app.storage.models import RUN_ID, Checkpoint, Metric, Run, is_minted
@@ -134,6 +134,8 @@ def checked_location(storage: Storage, *, run_id: str, post: CheckpointPost) -> 
     location, message = run_location(storage, run_id, post.path)
     if location is None:
         raise ValidationFailed([field_problem("path", f"the {post.kind} location {message}")])
+    if post.kind in ("hf", "adapter") and (problem := export_problem(location)):
+        raise ValidationFailed([field_problem("path", f"the {post.kind} export: {problem}")])
     return post.model_copy(update={"path": location})
 
 

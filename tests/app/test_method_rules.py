@@ -293,6 +293,39 @@ class TestModelFromARun:
         assert created.status_code == 201, created.text
         assert created.json()["spec"]["model"] == str(export)
 
+    def test_an_export_with_a_link_leading_out_of_it_is_never_the_model(
+        self,
+        client: TestClient,
+        auth: dict[str, str],
+        tmp_path: Path,
+        settings: Settings,
+        started: tuple[str, dict[str, str]],
+    ) -> None:
+        """Another run's files reached through a link in this run's export: refused when
+        the export is recorded, and when a run starts from it (a link added later)."""
+        run_id, worker = started
+        elsewhere = tmp_path / "another-runs-export"
+        elsewhere.mkdir()
+        (elsewhere / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        linked = Path(run_location(settings, run_id, "linked"))
+        linked.mkdir(parents=True)
+        (linked / "config.json").symlink_to(elsewhere / "config.json")
+        body = {"attempt": 1, "step": 5, "path": str(linked), "kind": "hf"}
+        r = client.post(f"/v1/internal/runs/{run_id}/checkpoints", json=body, headers=worker)
+        assert r.status_code == 422, r.text
+        assert "'config.json' in it leads outside the exported folder" in r.text
+
+        export = Path(run_location(settings, run_id, "export"))
+        export.mkdir(parents=True)
+        (export / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 16}))
+        self._export(client, worker, run_id, export, "hf")
+        (export / "model.safetensors").symlink_to(elsewhere / "config.json")
+        body = run_request(tmp_path, model=run_id, training={"seq_length": 16})
+        problem = _problems(client, auth, body)["model"]
+        assert problem == (
+            f"run {run_id}'s export: 'model.safetensors' in it leads outside the exported folder"
+        )
+
     def test_a_run_with_only_an_adapter_is_refused_with_the_reason(
         self,
         client: TestClient,

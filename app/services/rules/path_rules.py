@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from contract.storage import Storage
+from contract.storage import Storage, is_uri
 
 # The service's own folders, by what they hold: a refusal names which (below).
 ServiceFolder = Literal["uploads", "storage", "state"]
@@ -118,7 +118,11 @@ def service_folder(path: Path, refused: Mapping[Path, ServiceFolder]) -> Service
 
 
 def _folder_problem(
-    folder: Path, roots: Sequence[Path], refused: Mapping[Path, ServiceFolder]
+    folder: Path,
+    roots: Sequence[Path],
+    refused: Mapping[Path, ServiceFolder],
+    *,
+    outside: str = "the allowed roots",
 ) -> str | None:
     """Why a folder source may not be read (an entry leads outside the roots or into the
     service's folders, or there are too many to check), or None. `folder` is a real path.
@@ -144,7 +148,7 @@ def _folder_problem(
                     real = current_real / entry.name
                     is_dir = entry.is_dir(follow_symlinks=False)
                 if not _inside(real, roots):
-                    return f"{_entry_name(entry, folder)} in it leads outside the allowed roots"
+                    return f"{_entry_name(entry, folder)} in it leads outside {outside}"
                 if (kind := service_folder(real, refused)) is not None:
                     return f"{_entry_name(entry, folder)} in it leads into {_FOLDER_NAMES[kind]}"
                 if is_dir and real not in seen:
@@ -182,6 +186,23 @@ def run_location(storage: Storage, run_id: str, location: str) -> tuple[str | No
         if path == inside or not path.is_relative_to(inside):
             return None, refused
     return written, None
+
+
+def export_problem(location: str) -> str | None:
+    """Why a run's exported model folder (local) may not be read as the run's own, or None:
+    one of its entries is a link leading out of it. The download leaves such links out; a
+    `model: <run id>` and the worker loading it would follow them, into another run's
+    files."""
+    if is_uri(location):
+        return None  # an object store has no links
+    real = Path(os.path.realpath(location))
+    try:
+        if not real.is_dir():
+            return None
+        return _folder_problem(real, [real], {}, outside="the exported folder")
+    except (OSError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"cannot be read: {reason}"
 
 
 def _entry_name(entry: os.DirEntry[str], folder: Path) -> str:

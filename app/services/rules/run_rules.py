@@ -40,7 +40,7 @@ from app.services.rules.model_files import (
     safetensors_headers,
     trainable_model_types,
 )
-from app.services.rules.path_rules import allowed_local_path
+from app.services.rules.path_rules import allowed_local_path, export_problem
 from app.services.rules.tracking_rules import (
     TrackingConfig,
     key_tracking_problems,
@@ -325,6 +325,10 @@ def _check_model_from_run(
         return
     if is_uri(exported):
         _read_stored_model_config(exported, request, checked)
+        return
+    # Checked when it was recorded; checked again, as links may have been added since.
+    if problem := export_problem(exported):
+        checked.problems.append(field_problem("model", f"run {request.model}'s export: {problem}"))
         return
     _read_model_config(Path(exported), request, checked)
 

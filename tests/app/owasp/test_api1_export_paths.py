@@ -180,9 +180,11 @@ class TestTheDownloadServesTheRunsFolderOnly:
         (export / "nested").mkdir(parents=True)
         (export / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         (export / "nested" / "weights.bin").write_bytes(b"weights")
+        assert _post(client, started, str(export), "hf")[0] == 200
+        # Links added once the export is recorded (one posted with them is refused: 422).
         (export / "tokenizer.json").symlink_to(private / "secret.jsonl")
         (export / "nested" / "linked").symlink_to(private)
-        assert _post(client, started, str(export), "hf")[0] == 200
+        assert _post(client, started, str(export), "hf")[0] == 422
 
         r = client.get(f"/v1/runs/{run_id}/model", headers=auth)
         assert r.status_code == 200, r.text
