@@ -64,6 +64,8 @@ EXTENSION_GROUPS = frozenset(
     {"task", "dataset", "method", "lora", "training", "deepspeed", "resources",
      "checkpointing", "fault_tolerance", "priority", "preemptible"}
 )  # fmt: skip
+# The groups that are objects in a run request (the rest are values: task, priority, ...).
+OBJECT_GROUPS = EXTENSION_GROUPS - {"task", "priority", "preemptible"}
 # The dataset format each upload purpose was checked for.
 _FORMAT_OF_PURPOSE = {
     "text": "text",
@@ -159,6 +161,22 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
         problems.append(
             field_problem("integrations", "tuneyard has no integrations; leave integrations out")
         )
+    for key in sorted(OBJECT_GROUPS & set(ext)):
+        if not isinstance(ext[key], dict):
+            problems.append(
+                field_problem(f"tuneyard.{key}", f"must be an object, like the run request's {key}")
+            )
+    own = _group(ext, "dataset")
+    for key, param in (("source", "training_file"), ("eval_source", "validation_file")):
+        if key in own:
+            # The job's files are its data: another source would train on what the job
+            # does not name (and may not be the caller's upload at all).
+            problems.append(
+                field_problem(
+                    f"tuneyard.dataset.{key}",
+                    f"a job's data is its {param}; give the uploaded file's id there",
+                )
+            )
     method, hyper = _method_and_hyperparameters(job, problems)
     upload = find_file(session, file_id=job.training_file, owner_id=owner_id)
     if upload is None:

@@ -284,6 +284,19 @@ class TestJobs:
             ({"method": {"type": "dpo"}}, "method.type", "preference"),
             ({"extra_body": {"tuneyard": {"lora": {"r": 0}}}}, "lora.r", "greater than 0"),
             ({"extra_body": {"tuneyard": {"zero": 3}}}, "tuneyard.zero", "unknown group"),
+            # Once taken as no settings at all, and the job made on the defaults.
+            ({"extra_body": {"tuneyard": {"training": [1, 2]}}}, "tuneyard.training", "object"),
+            ({"extra_body": {"tuneyard": {"method": "x"}}}, "tuneyard.method", "object"),
+            # Once trained on what the job does not name, its training_file still shown.
+            (
+                {
+                    "extra_body": {
+                        "tuneyard": {"dataset": {"chat_template": TEMPLATE, "source": "ag_news"}}
+                    }
+                },
+                "tuneyard.dataset.source",
+                "its training_file",
+            ),
         ],
     )
     def test_bad_requests_are_400s_naming_the_param_with_nothing_stored(
