@@ -25,6 +25,8 @@ from app.api.deps import (
     SettingsDep,
     app_state,
     read_as_caller,
+    run_in_read_session,
+    run_in_write_session,
 )
 from app.api.openai_compat import openai_responses
 from app.cluster.ray_jobs import try_stop
@@ -198,19 +200,33 @@ def pause_fine_tuning_job(
     description="A new attempt from the latest checkpoint; the job is `queued` again.",
     responses=_errors(400, 401, 404, 409),
 )
-def resume_fine_tuning_job(
+async def resume_fine_tuning_job(
     job_id: JobId,
-    session: SessionDep,
+    request: Request,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     background: BackgroundTasks,
     settings: SettingsDep,
 ) -> Job:
-    run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id, for_update=True)
-    runs.resume_run(session, run, storage=settings.storage)
+    # As POST /v1/runs/{id}/resume: storage read first, on a read; then the write.
+    await run_in_read_session(
+        request,
+        lambda session: runs.check_inputs_exist(
+            openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id),
+            storage=settings.storage,
+        ),
+        blocking=True,
+    )
+
+    def resume(session: Session) -> Job:
+        run = openai_jobs.get_job(session, job_id=job_id, owner_id=principal.id, for_update=True)
+        runs.resume_run(session, run)
+        return openai_jobs.job_view(run, trained_tokens=None)
+
+    job = await run_in_write_session(request, resume)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
-    return openai_jobs.job_view(run, trained_tokens=None)
+    return job
 
 
 @router.get(

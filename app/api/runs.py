@@ -42,6 +42,7 @@ from app.api.deps import (
     bearer_token,
     read_as_caller,
     run_in_read_session,
+    run_in_write_session,
     run_on_read_connection,
     unauthorized,
 )
@@ -418,19 +419,33 @@ def cancel_run(
         ),
     },
 )
-def resume_run(
+async def resume_run(
     run_id: RunId,
-    session: SessionDep,
+    request: Request,
     principal: CurrentPrincipal,
     dispatcher: DispatcherDep,
     background: BackgroundTasks,
     settings: SettingsDep,
 ) -> RunView:
-    run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
-    runs.resume_run(session, run, storage=settings.storage)
+    # Whether its data is still there reads storage (object storage: the network): on a
+    # read of its own, before the write that resumes it, which holds no lock while waiting.
+    await run_in_read_session(
+        request,
+        lambda session: runs.check_inputs_exist(
+            runs.get_run(session, run_id=run_id, owner_id=principal.id), storage=settings.storage
+        ),
+        blocking=True,
+    )
+
+    def resume(session: Session) -> RunView:
+        run = runs.get_run(session, run_id=run_id, owner_id=principal.id, for_update=True)
+        runs.resume_run(session, run)
+        return RunView.of(run, queue_position=runs.queue_position(session, run))
+
+    view = await run_in_write_session(request, resume)
     if dispatcher is not None:
         background.add_task(dispatcher.wake)
-    return RunView.of(run, queue_position=runs.queue_position(session, run))
+    return view
 
 
 @router.get(
@@ -461,11 +476,16 @@ def resume_run(
         ),
     },
 )
-def get_model(
-    run_id: RunId, session: SessionDep, principal: CurrentPrincipal, settings: SettingsDep
+async def get_model(
+    run_id: RunId, request: Request, principal: CurrentPrincipal, settings: SettingsDep
 ) -> StreamingResponse:
-    run = runs.get_run(session, run_id=run_id, owner_id=principal.id)
-    location, files = model_download.model_files(run, settings.storage)
+    # The run looked up on a read; its files listed in storage after, holding no session.
+    run = await run_in_read_session(
+        request, lambda session: runs.get_run(session, run_id=run_id, owner_id=principal.id)
+    )
+    location, files = await anyio.to_thread.run_sync(
+        model_download.model_files, run, settings.storage
+    )
     return StreamingResponse(
         model_download.tar_chunks(settings.storage, location, files),
         media_type="application/octet-stream",

@@ -455,9 +455,9 @@ def queue_position(db: Session | Connection, run: RunFields) -> int | None:
     return queue.queue_positions(db, [run]).get(run.id)
 
 
-def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
-    """`lifecycle.resume`, refused while a file the run reads is gone (an upload deleted
-    since, say): its worker would only fail at once on the cluster."""
+def check_inputs_exist(run: Run, *, storage: Storage) -> None:
+    """Conflict when a file the run reads is gone (an upload deleted since, say): resumed,
+    its worker would only fail at once on the cluster. Reads storage: not in a write."""
     dataset = run.spec["dataset"]
     for key in ("source", "eval_source"):
         path = dataset.get(key)
@@ -471,6 +471,10 @@ def resume_run(session: Session, run: Run, *, storage: Storage) -> None:
                 f"run {run.id} reads dataset.{key} {path!r}, which no longer exists (an "
                 "uploaded file deleted since?); create a new run with the data"
             )
+
+
+def resume_run(session: Session, run: Run) -> None:
+    """`lifecycle.resume`, within the key's limits (`check_inputs_exist` first, on a read)."""
     if run.run_status in (RunStatus.FAILED, RunStatus.CANCELLED):
         # (Any other status is refused by lifecycle.resume with 409, before any limit.)
         queue.check_submission(
