@@ -520,6 +520,102 @@ def run_check(settings: CheckSettings, *, model: Path, data: Path, root: Path) -
     return measurements
 
 
+def profile_stage(
+    body: dict[str, Any], *, workdir: Path, trace_dir: Path, settings: CheckSettings
+) -> dict[str, Any]:
+    """bench/gpu_profile.py in a process of its own, on the check's request: its summary."""
+    stage = body["deepspeed"]["zero_stage"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    request, out = (
+        workdir / f"profile-zero{stage}-request.json",
+        workdir / f"profile-zero{stage}.json",
+    )
+    log = workdir / f"profile-zero{stage}.log"
+    request.write_text(json.dumps(body))
+    with log.open("wb") as log_file:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.gpu_profile",
+                f"--request={request}",
+                f"--out={out}",
+                f"--trace-dir={trace_dir}",
+                f"--warmup-steps={settings.warmup_steps}",
+                f"--steps={settings.steps - settings.warmup_steps}",
+            ],
+            cwd=workdir,
+            env=plain_env(settings),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the profile failed ({done.returncode}):\n{log.read_text()[-4000:]}")
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary
+
+
+def profile_tables(
+    summaries: list[dict[str, Any]],
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """A row per stage (where the step's time goes), and the top operators of each."""
+    from bench.gpu_profile import Operator, Profile, StepTimes
+
+    steps, operators = [], []
+    for summary in summaries:
+        profile = Profile(
+            **{
+                **summary,
+                "steps": [StepTimes(**s) for s in summary["steps"]],
+                "top": [Operator(**o) for o in summary["top"]],
+            }
+        )
+        steps.append(profile.row())
+        operators.extend(
+            {
+                "ZeRO": profile.zero_stage,
+                "operator": o.name,
+                "calls": o.calls,
+                "own time (ms)": o.self_ms,
+                "of the steps": f"{o.share:.1%}",
+            }
+            for o in profile.top
+        )
+    return steps, operators
+
+
+def run_profile(
+    settings: CheckSettings, *, model: Path, data: Path, root: Path, trace_dir: Path
+) -> int:
+    """`--profile`: tuneyard's step at each stage under torch.profiler, one short process
+    each; two tables (the step's time, the top operators) and a trace per stage."""
+    summaries = [
+        profile_stage(
+            run_request(model, data, zero_stage=stage, settings=settings),
+            workdir=root / "profile",
+            trace_dir=trace_dir,
+            settings=settings,
+        )
+        for stage in ZERO_STAGES
+    ]
+    steps, operators = profile_tables(summaries)
+    where = (
+        "dry run on CPU, tiny Llama"
+        if settings.dry_run
+        else f"~0.5B Llama, {summaries[0]['device']}"
+    )
+    recorded = settings.steps - settings.warmup_steps
+    notes = [
+        "tuneyard's step (worker.training.loop.train_step) on the engine a run builds, one "
+        f"process, {settings.warmup_steps} steps' warm-up, then {recorded} recorded "
+        "(bench/gpu_profile.py says what each column measures).",
+        *(f"ZeRO-{s['zero_stage']} trace: {s['trace']}" for s in summaries),
+    ]
+    common.record(f"GPU check profile: where a step's time goes ({where})", steps, notes=notes)
+    common.record(f"GPU check profile: top operators by their own time ({where})", operators)
+    return 0
+
+
 def report_notes(
     settings: CheckSettings,
     *,
@@ -576,6 +672,15 @@ def main() -> int:
     parser.add_argument(
         "--peak-flops", type=float, help="the GPU's peak dense bf16 FLOP/s, e.g. 989e12"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the comparison: tuneyard's step under torch.profiler at each stage, "
+        "the warm-up steps left out, the rest recorded",
+    )
+    parser.add_argument(
+        "--trace-dir", type=Path, default=Path("gpu-check-traces"), help="--profile's traces"
+    )
     args = parser.parse_args()
 
     defaults = CheckSettings.defaults(dry_run=args.dry_run)
@@ -606,6 +711,10 @@ def main() -> int:
 
     with bench_home("gpu-check") as root:
         model, data = build_assets(root / "assets", settings)
+        if args.profile:
+            return run_profile(
+                settings, model=model, data=data, root=root, trace_dir=args.trace_dir
+            )
         facts = model_facts(model)
         print(f"model: {facts.parameters:,} parameters", flush=True)
         measurements = run_check(settings, model=model, data=data, root=root)

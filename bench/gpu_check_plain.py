@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,40 @@ def _init_single_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend, rank=0, world_size=1)
 
 
-def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
+@dataclass
+class Engine:
+    """One rank's DeepSpeed engine and what feeds it, built as a run builds them."""
+
+    spec: Any  # contract.run_request.RunSpec
+    engine: Any
+    loader: Any
+    plan: Any  # contract.steps.StepPlan
+    device: Any
+    precision: str
+    zero_stage: int
+    one_row: bool  # worker.data.loading.packs_in_one_row_for the model
+    keep_alive: Any = None  # ZeRO-3: transformers' HfDeepSpeedConfig, alive with the model
+
+    @property
+    def use_gpu(self) -> bool:
+        return bool(self.spec.resources.use_gpu)
+
+    def synchronize(self) -> None:
+        if self.use_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.engine = self.keep_alive = None
+        dist.destroy_process_group()
+
+
+def setup(request: dict[str, Any], *, run_id: str = "gpu-check-plain") -> Engine:
+    """A world of one, and the engine the request trains with (see the module's notes)."""
     import deepspeed
-    import psutil
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
@@ -60,13 +92,13 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     )
     from contract.run_request import RunRequest, RunSpec
     from contract.steps import StepPlan
-    from worker.data.loading import model_inputs, packs_in_one_row_for
+    from worker.data.loading import packs_in_one_row_for
     from worker.data.preparation import build_data
     from worker.training.optimizer import build_optimizer
 
     spec = RunSpec.for_attempt(
         RunRequest.model_validate(request).worker_fields(),
-        run_id="gpu-check-plain",
+        run_id=run_id,
         attempt=1,
         storage_path=str(Path.cwd()),
     )
@@ -100,12 +132,28 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
-    one_row = packs_in_one_row_for(engine.module)
-    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+    return Engine(
+        spec=spec,
+        engine=engine,
+        loader=loader,
+        plan=plan,
+        device=torch.device("cuda", 0) if use_gpu else torch.device("cpu"),
+        precision=precision,
+        zero_stage=int(ds_config["zero_optimization"]["stage"]),
+        one_row=packs_in_one_row_for(engine.module),
+        keep_alive=keep_alive,
+    )
 
-    def synchronize() -> None:
-        if use_gpu:
-            torch.cuda.synchronize()
+
+def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
+    import psutil
+    import torch
+
+    from worker.data.loading import model_inputs
+
+    built = setup(request)
+    engine, loader, device, one_row = built.engine, built.loader, built.device, built.one_row
+    synchronize = built.synchronize
 
     step_times: list[float] = []
     tokens: list[int] = []
@@ -138,10 +186,10 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
         "step_times": step_times,
         "tokens": tokens,
         "losses": losses,
-        "precision": precision,
-        "zero_stage": ds_config["zero_optimization"]["stage"],
+        "precision": built.precision,
+        "zero_stage": built.zero_stage,
     }
-    if use_gpu:
+    if built.use_gpu:
         result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
         result["memory_kind"] = "gpu_allocated"
         result["device_name"] = torch.cuda.get_device_name(0)
@@ -149,10 +197,7 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
         result["peak_memory_bytes"] = peak_rss
         result["memory_kind"] = "rss"
         result["device_name"] = "cpu"
-    del engine, keep_alive
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    built.close()
     return result
 
 

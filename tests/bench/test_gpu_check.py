@@ -273,3 +273,48 @@ class TestEntryPoints:
             check=True,
         )
         assert f"{tmp_path}/bin/python -m bench.gpu_check --dry-run" in done.stdout
+
+
+class TestProfile:
+    """`bench.gpu_check --profile`: tuneyard's step under torch.profiler, in one process."""
+
+    def test_busy_time_is_the_union_of_the_kernels_intervals(self) -> None:
+        from bench.gpu_profile import busy_ms
+
+        # Overlapping (two streams), nested, and apart: 0-4, then 6-7.
+        assert busy_ms([(0, 3), (1, 4), (2, 3), (6, 7)]) == 5
+        assert busy_ms([]) == 0
+
+    def test_a_cpu_profile_of_the_runs_own_step(
+        self, dry_assets: tuple[Path, Path], tmp_path: Path
+    ) -> None:
+        import json
+
+        model, data = dry_assets
+        settings = CheckSettings(dry_run=True, steps=3, warmup_steps=1, batch_size=2, seq_length=64)
+        body = gpu_check.run_request(model, data, zero_stage=2, settings=settings)
+        traces = tmp_path / "traces"
+        summary = gpu_check.profile_stage(
+            body, workdir=tmp_path / "work", trace_dir=traces, settings=settings
+        )
+        assert (summary["zero_stage"], summary["precision"], summary["device"]) == (
+            2,
+            "fp32",
+            "cpu",
+        )
+        assert len(summary["steps"]) == 2  # the warm-up step left out
+        for step in summary["steps"]:
+            assert step["step_ms"] > 0 and step["host_cpu_ms"] > 0
+        assert summary["gpu_busy_ms"] is None  # no GPU
+        names = [o["name"] for o in summary["top"]]
+        # The model's matrix products are among the operators that took time of their own.
+        assert "aten::mm" in names or "aten::addmm" in names, names
+        assert all(o["self_ms"] > 0 and o["calls"] > 0 for o in summary["top"])
+        trace = json.loads(Path(summary["trace"]).read_text())
+        assert Path(summary["trace"]).parent == traces.resolve() and trace["traceEvents"]
+
+        steps, operators = gpu_check.profile_tables([summary])
+        (row,) = steps
+        assert row["ZeRO"] == 2 and row["GPU busy (ms)"] == "n/a"
+        assert row["step (ms)"] == pytest.approx(sum(s["step_ms"] for s in summary["steps"]) / 2)
+        assert [o["operator"] for o in operators] == names
