@@ -54,3 +54,29 @@ def test_a_lora_model_gets_no_empty_group(tiny_model_dir: Path) -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=4)
     optimizer.step()
     scheduler.step()
+
+
+@pytest.mark.parametrize(("use_gpu", "fused"), [(True, True), (False, None)])
+def test_a_gpu_run_steps_with_torchs_fused_adamw(
+    model: object, tiny_model_dir: Path, use_gpu: bool, fused: bool | None
+) -> None:
+    """Fused on a GPU (one kernel over each flat partition); the default on CPU. The device
+    check of `fused` runs at the first step, on ZeRO's partitions, which DeepSpeed has then
+    moved to the GPU: built here on CPU parameters, it does not run."""
+    import torch
+
+    from contract.run_request import RunRequest, RunSpec
+    from worker.training.optimizer import build_optimizer
+
+    request = RunRequest.model_validate(
+        {
+            "model": str(tiny_model_dir),
+            "dataset": {"source": "ag_news"},
+            "resources": {"num_workers": 1, "use_gpu": use_gpu},
+        }
+    )
+    spec = RunSpec.for_attempt(request.worker_fields(), run_id="r", attempt=1, storage_path="/s")
+    optimizer, _ = build_optimizer(spec, model, total_steps=10)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.defaults["fused"] is fused
+    assert all(group["fused"] is fused for group in optimizer.param_groups)
