@@ -504,7 +504,17 @@ def _event_view(event: Event) -> JobEvent:
         created_at=_unix(event.created_at),
         level=level,
         message=message,
-        data={"type": event.type, "status": event.status, "attempt": event.attempt},
+        data={
+            "type": event.type,
+            "status": event.status,
+            "attempt": event.attempt,
+            # A startup_phase event's part of the start and its length (tuneyard's own).
+            **(
+                {"phase": event.phase, "duration_seconds": event.duration_seconds}
+                if event.phase
+                else {}
+            ),
+        },
     )
 
 

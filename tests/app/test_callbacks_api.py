@@ -282,6 +282,14 @@ class TestStartupPhaseEvents:
             ("startup_phase", "data", 0.5),
             ("message", None, None),
         ]
+        # OpenAI's event list (a run is a job) carries them in each event's data.
+        listed = client.get(f"/v1/fine_tuning/jobs/{run_id}/events", headers=auth).json()["data"]
+        data = [e["data"] for e in listed if e["data"]["type"] in ("startup_phase", "message")]
+        assert [(d.get("phase"), d.get("duration_seconds")) for d in data] == [
+            (None, None),
+            ("data", 0.5),
+            ("job", 1.25),
+        ]
 
     @pytest.mark.parametrize(
         ("body", "named"),
