@@ -520,6 +520,15 @@ def run_check(settings: CheckSettings, *, model: Path, data: Path, root: Path) -
     return measurements
 
 
+# A profile records a few steady steps: a trace of many is large and says nothing more.
+PROFILE_WARMUP_STEPS = 5
+PROFILE_STEPS = 5
+
+
+def profile_steps(settings: CheckSettings) -> int:
+    return min(settings.steps - settings.warmup_steps, PROFILE_STEPS)
+
+
 def profile_stage(
     body: dict[str, Any], *, workdir: Path, trace_dir: Path, settings: CheckSettings
 ) -> dict[str, Any]:
@@ -541,8 +550,8 @@ def profile_stage(
                 f"--request={request}",
                 f"--out={out}",
                 f"--trace-dir={trace_dir}",
-                f"--warmup-steps={settings.warmup_steps}",
-                f"--steps={settings.steps - settings.warmup_steps}",
+                f"--warmup-steps={min(settings.warmup_steps, PROFILE_WARMUP_STEPS)}",
+                f"--steps={profile_steps(settings)}",
             ],
             cwd=workdir,
             env=plain_env(settings),
@@ -604,10 +613,10 @@ def run_profile(
         if settings.dry_run
         else f"~0.5B Llama, {summaries[0]['device']}"
     )
-    recorded = settings.steps - settings.warmup_steps
+    warmup = min(settings.warmup_steps, PROFILE_WARMUP_STEPS)
     notes = [
         "tuneyard's step (worker.training.loop.train_step) on the engine a run builds, one "
-        f"process, {settings.warmup_steps} steps' warm-up, then {recorded} recorded "
+        f"process, {warmup} steps' warm-up, then {profile_steps(settings)} recorded "
         "(bench/gpu_profile.py says what each column measures).",
         *(f"ZeRO-{s['zero_stage']} trace: {s['trace']}" for s in summaries),
     ]
@@ -712,8 +721,9 @@ def main() -> int:
     with bench_home("gpu-check") as root:
         model, data = build_assets(root / "assets", settings)
         if args.profile:
+            # Absolute: the profile runs in a temporary folder of its own.
             return run_profile(
-                settings, model=model, data=data, root=root, trace_dir=args.trace_dir
+                settings, model=model, data=data, root=root, trace_dir=args.trace_dir.resolve()
             )
         facts = model_facts(model)
         print(f"model: {facts.parameters:,} parameters", flush=True)

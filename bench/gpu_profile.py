@@ -82,8 +82,14 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def top_operators(averages: Any, *, on_device: bool, total_ms: float) -> list[Operator]:
-    """The operators (kernels, on a GPU) with the most time of their own."""
+    """The operators with the most time of their own: on a GPU its kernels (the device's
+    own events: an operator's device time is its kernels', which would count them twice),
+    on CPU the operators."""
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    if on_device:
+        from torch.autograd import DeviceType
+
+        averages = [a for a in averages if a.device_type == DeviceType.CUDA]
     ranked = sorted(averages, key=lambda a: getattr(a, key), reverse=True)
     top = []
     for average in ranked[:TOP_OPERATORS]:
@@ -155,10 +161,12 @@ def profile(request: dict[str, Any], *, warmup_steps: int, steps: int, trace_dir
     if use_gpu:
         from torch.autograd import DeviceType
 
+        # Kernels, copies and sets: the GPU's annotations of a CPU span (Optimizer.step,
+        # record_function ranges) cover its gaps too, and are left out.
         kernels = [
             (e.time_range.start, e.time_range.end)
             for e in recorded.events()
-            if e.device_type == DeviceType.CUDA
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation
         ]
         busy = busy_ms(kernels) / 1000.0 / len(timed)
     result = Profile(

@@ -185,8 +185,10 @@ def _in_utc(value: datetime) -> datetime:
         value = value.astimezone(UTC)
     except OverflowError as exc:
         raise ValueError("the time is out of range once in UTC") from exc
-    if not 1970 <= value.year <= 9999:
-        raise ValueError("the time must fall between the years 1970 and 9999 in UTC")
+    # 9998: a database session in a time zone east of UTC reads the last day of 9999 as
+    # year 10000, which Python has no date for.
+    if not 1970 <= value.year <= 9998:
+        raise ValueError("the time must fall between the years 1970 and 9998 in UTC")
     return value
 
 

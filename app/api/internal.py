@@ -141,6 +141,12 @@ async def post_event(
             lifecycle.requeue_preempted(session, run, how=f"the worker said: {body.message}")
             session.flush()
             return {"id": None}
+        if body.type == EventType.STARTUP_PHASE and (
+            first := callbacks.startup_phase_of(session, run, phase=body.phase)
+        ):
+            # A worker group Ray Train restarted within the attempt starts again: the
+            # attempt's own start is the first (worker/reporting/startup.py).
+            return {"id": first.id}
         # A `preempted` left here stopped for a preemption the run no longer waits on (it was
         # cancelled meanwhile): a note, not a `preempted` event; the cancel settles the run.
         kind = EventType.MESSAGE if body.type == EventType.PREEMPTED else body.type

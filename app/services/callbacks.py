@@ -19,7 +19,7 @@ from app.services.lifecycle import Failure, record_event
 from app.services.rules.path_rules import export_problem, run_location
 from app.services.rules.webhook_rules import WebhookConfig
 from app.services.webhooks import enqueue_webhooks
-from app.storage.models import RUN_ID, Checkpoint, Metric, Run, is_minted
+from app.storage.models import RUN_ID, Checkpoint, Event, Metric, Run, is_minted
 from contract.callbacks import CheckpointPost, EventType, MetricsPost, StatusPost
 from contract.statuses import RunStatus
 from contract.storage import Storage
@@ -137,6 +137,20 @@ def checked_location(storage: Storage, *, run_id: str, post: CheckpointPost) -> 
     if post.kind in ("hf", "adapter") and (problem := export_problem(location)):
         raise ValidationFailed([field_problem("path", f"the {post.kind} export: {problem}")])
     return post.model_copy(update={"path": location})
+
+
+def startup_phase_of(session: Session, run: Run, *, phase: str | None) -> Event | None:
+    """The run's current attempt's `startup_phase` event for `phase`, if it has one."""
+    return session.scalar(
+        select(Event)
+        .where(
+            Event.run_id == run.id,
+            Event.attempt == run.attempt,
+            Event.type == EventType.STARTUP_PHASE,
+            Event.phase == phase,
+        )
+        .limit(1)
+    )
 
 
 def store_checkpoint(

@@ -162,7 +162,8 @@ def run_request_for(session: Session, job: JobCreate, *, owner_id: str) -> RunRe
             field_problem("integrations", "tuneyard has no integrations; leave integrations out")
         )
     for key in sorted(OBJECT_GROUPS & set(ext)):
-        if not isinstance(ext[key], dict):
+        # null is the run request's own "none" (`lora: null`: a full fine-tune).
+        if ext[key] is not None and not isinstance(ext[key], dict):
             problems.append(
                 field_problem(f"tuneyard.{key}", f"must be an object, like the run request's {key}")
             )

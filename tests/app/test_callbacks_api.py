@@ -271,6 +271,11 @@ class TestStartupPhaseEvents:
             )
             assert r.status_code == 200, r.text
         client.post(url, headers=worker, json={"attempt": 1, "type": "message", "message": "hi"})
+        # A worker group Ray Train restarted within the attempt: its start is not the
+        # attempt's, and the first of each phase stays.
+        again = {"type": "startup_phase", "message": "job: 9s", "phase": "job"}
+        r = client.post(url, headers=worker, json={"attempt": 1, **again, "duration_seconds": 9})
+        assert r.status_code == 200, r.text
         events = client.get(f"/v1/runs/{run_id}/events", headers=auth).json()["data"]
         phases = [
             (e["type"], e["phase"], e["duration_seconds"])
@@ -366,6 +371,8 @@ class TestContradictoryCallbacks:
             # metrics failed after.
             ({"time": "9999-12-31T23:59:59-14:00"}, None, "out of range"),
             ({"time": "0001-01-01T00:00:00+14:00"}, None, "out of range"),
+            # Read back in a session east of UTC, the last day of 9999 is in year 10000.
+            ({"time": "9999-06-01T00:00:00Z"}, None, "between the years 1970 and 9998"),
             ({}, {"step": 10, "total_steps": 3}, "past progress.total_steps"),
         ],
     )

@@ -321,6 +321,24 @@ class TestJobs:
         assert refused.value.code == "validation_error"
         assert list(openai_sdk.fine_tuning.jobs.list()) == []
 
+    def test_a_null_group_is_the_run_requests_none(
+        self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
+    ) -> None:
+        """`lora: null` is a full fine-tune, as in a run request; only a group that is
+        neither an object nor null is refused."""
+        job = openai_sdk.fine_tuning.jobs.create(
+            model=str(tiny_model_dir),
+            training_file=chat_file.id,
+            extra_body={
+                "tuneyard": {
+                    "dataset": {"chat_template": TEMPLATE},
+                    "training": {"seq_length": 64},
+                    "lora": None,
+                }
+            },
+        )
+        assert job.status == "queued"
+
     def test_list_pages_and_filters_by_metadata(
         self, openai_sdk: openai.OpenAI, chat_file: Any, tiny_model_dir: Path
     ) -> None:

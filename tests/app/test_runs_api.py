@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -326,18 +327,18 @@ class TestHealth:
 
 
 class TestLocalDataChecked:
-    """A local file's first records are checked at create by the rules an upload is checked
-    by: a run whose data lacks the field it reads is refused before any compute, whatever
-    the rest of the request (`seq_length` set, as the README's examples set it, once let it
-    through to fail on the cluster)."""
+    """A local file's first records are read at create: a run whose data has no record
+    with the field it reads is refused before any compute, whatever the rest of the
+    request (`seq_length` set, as the README's examples set it, once let it through to
+    fail on the cluster). Values are the worker's to take as they come."""
 
     @pytest.mark.parametrize(
-        ("dataset", "message"),
+        ("dataset", "missing"),
         [
-            ({"text_field": "nope"}, "line 1: missing field 'nope'"),
+            ({"text_field": "nope"}, "'nope' (dataset.text_field names it)"),
             (
                 {"format": "prompt_completion", "completion_field": "answer"},
-                "line 1: missing field 'prompt'",
+                "'prompt' (dataset.prompt_field names it)",
             ),
         ],
     )
@@ -348,7 +349,7 @@ class TestLocalDataChecked:
         tmp_path: Path,
         session_factory: sessionmaker[Session],
         dataset: dict[str, Any],
-        message: str,
+        missing: str,
     ) -> None:
         data = tmp_path / "news.jsonl"
         data.write_text('{"text": "a b c"}\n' * 3)
@@ -360,7 +361,17 @@ class TestLocalDataChecked:
         response = client.post("/v1/runs", json=body, headers=auth)
         assert response.status_code == 422, response.text
         said = [p["message"] for p in response.json()["detail"] if p["field"] == "dataset.source"]
-        assert (
-            said[0] == f"news.jsonl is not {body['dataset'].get('format', 'text')} data: {message}"
-        )
+        assert f"news.jsonl has no field {missing} in its records; its fields are ['text']" in said
         assert _count_runs(session_factory) == 0
+
+    def test_empty_or_missing_values_are_the_workers_to_take(
+        self, client: TestClient, auth: dict[str, str], tmp_path: Path
+    ) -> None:
+        """A raw corpus with blank lines and a record without the field trains as before:
+        the worker reads them as empty text and leaves them out."""
+        data = tmp_path / "corpus.jsonl"
+        rows = [{"text": "a b c d"}, {"text": ""}, {"text": None}, {"other": 1}] * 3
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        body = run_request(tmp_path, dataset={"source": str(data), "text_field": "text"})
+        response = client.post("/v1/runs", json=body, headers=auth)
+        assert response.status_code == 201, response.text

@@ -319,6 +319,10 @@ SPLITS = [
     "train[:10%](nearest)",
     "test-clean",
     "train+",
+    "train[200%:]",
+    "train[-100%:100%]",
+    "train[_:5]",
+    "train[:1__0]",
 ]
 
 
@@ -340,3 +344,14 @@ def test_a_split_is_read_as_the_datasets_library_reads_it(split: str) -> None:
         for field in ("split", "eval_split"):
             with pytest.raises(ValidationError, match=field):
                 DatasetSpec.model_validate({"source": "ag_news", field: split})
+
+
+def test_a_stored_runs_split_stays_readable_under_the_rule() -> None:
+    """A run stored before the split rule (or a tighter one) still loads: its queue, its
+    resume and every read of it go through its stored spec; a new request is refused."""
+    request = {"model": "gpt2", "dataset": {"source": "librispeech", "split": "test-clean"}}
+    stored = {**request, "run_id": "run_old", "attempt": 1, "storage_path": "/s"}
+    assert RunSpec.model_validate(stored).dataset.split == "test-clean"
+    assert RunSpec.for_attempt(request, run_id="run_old", attempt=2, storage_path="/s")
+    with pytest.raises(ValidationError, match=r"dataset\.split"):
+        RunRequest.model_validate(request)

@@ -9,12 +9,16 @@ since they cross processes and may cross nodes:
   process starting (its creation time as the kernel records it);
 - driver: from there to the call of Ray Train's `fit()`;
 - workers: from `fit()` (handed to the ranks in the loop's config) to rank 0's process
-  starting;
+  starting (zero where Ray started that process before, as an idle worker it reuses);
 - process_group: from there to rank 0's training function (its imports, CUDA, and the
   process group Ray Train starts before calling it);
 - imports, data, model, deepspeed: inside the training function, one after the other;
 - first_step: to the end of the attempt's first step (a resumed attempt's checkpoint
   restore included).
+
+Where Ray Train restarts the worker group within an attempt (`fault_tolerance.max_failures`),
+the restarted group posts its phases again; the service keeps the first of each phase of an
+attempt (app/api/internal.py), the attempt's own start.
 """
 
 from __future__ import annotations
@@ -56,9 +60,12 @@ class StartupClock:
         self._since = since
 
     def lap(self, phase: StartupPhase, *, at: float | None = None) -> None:
-        now = time.time() if at is None else at
-        # A clock behind another machine's (the service's) must not post a negative span.
-        seconds = max(0.0, now - self._since)
+        # Never before the last lap: a clock behind the service's (the job phase), or a
+        # process Ray started before fit() and handed to the worker group (its workers
+        # phase), makes a zero span, and the next phase starts where the last one ended,
+        # so the phases add up to the start's wall time without overlapping.
+        now = max(time.time() if at is None else at, self._since)
+        seconds = now - self._since
         self._since = now
         log.info("start-up phase %s: %.2fs", phase.value, seconds)
         if self._post is not None:

@@ -24,6 +24,7 @@ from app.services.rules.evaluation_rules import evaluation_problems
 from app.services.rules.file_checks import (
     FileReport,
     Opener,
+    RecordChecks,
     RecordProblem,
     check_records,
     checks_for,
@@ -720,20 +721,19 @@ def sampled_record_problems(
     total: int | None = None,
     grade: bool = True,
 ) -> list[Problem]:
-    """The first records of a file (`label` names it), checked by the rules an upload for
-    that format is checked by (the fields the run reads are there, of the right kind) and,
-    for a grpo run (unless not `grade`), for every field its grader reads, each problem with
-    its line. Where a prompt is chat messages is noted in `checked.messages_at`. `total`:
-    the records the file holds, where known."""
+    """The first records of a file (`label` names it). A chat, preference or prompt file's
+    are checked by the rules an upload for that format is checked by and, for a grpo run
+    (unless not `grade`), for every field its grader reads, each problem with its line;
+    where a prompt is chat messages is noted in `checked.messages_at`. Any other file's
+    must hold the fields the run reads (`sampled_fields_problems`). `total`: the records
+    the file holds, where known."""
     ds = req.dataset
+    if ds.format not in CHAT_FORMATS:
+        return sampled_fields_problems(open_file, fmt, req, label=label, field=field, total=total)
     checks = checks_for(
         purpose_of(req.task, ds.format),
-        text_field=ds.text_field,
-        text_pair_field=ds.text_pair_field,
-        label_field=ds.label_field or "label",
-        prompt_field=ds.prompt_field,
-        completion_field=ds.completion_field,
         messages_field=ds.messages_field,
+        prompt_field=ds.prompt_field,
         chosen_field=ds.chosen_field,
         rejected_field=ds.rejected_field,
     )
@@ -750,6 +750,36 @@ def sampled_record_problems(
     visit = note_messages if ds.format in PROMPT_FORMATS else None
     report = check_records(open_file, fmt=fmt, checks=checks, limit=SAMPLED_RECORDS, visit=visit)
     return _sampled_report(report, label=label, field=field, data_format=ds.format, total=total)
+
+
+def sampled_fields_problems(
+    open_file: Opener,
+    fmt: str,
+    req: RunRequest,
+    *,
+    label: str,
+    field: str,
+    total: int | None = None,
+) -> list[Problem]:
+    """A text, prompt/completion or classification file: its first records read, and each
+    field the run reads must be among their fields (the worker fails on a field no record
+    has, on the cluster). Values are the worker's to take as they come, as it always has:
+    a missing or empty text reads as empty, and what tokenizes too short is left out."""
+    report = check_records(open_file, fmt=fmt, checks=RecordChecks(), limit=SAMPLED_RECORDS)
+    if report.errors:  # not readable as its format, or no records
+        return _sampled_report(
+            report, label=label, field=field, data_format=req.dataset.format, total=total
+        )
+    read = f"its first {SAMPLED_RECORDS:,} records" if report.limited else "its records"
+    return [
+        field_problem(
+            field,
+            f"{label} has no field {wanted.name!r} ({wanted.setting} names it) in {read}; "
+            f"its fields are {report.fields}",
+        )
+        for wanted in fields_read_by(req.task, req.dataset)
+        if wanted.name not in report.fields
+    ]
 
 
 def _sampled_report(

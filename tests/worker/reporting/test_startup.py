@@ -23,13 +23,15 @@ def test_each_lap_posts_the_time_since_the_last() -> None:
     assert posted[2][1] >= before - 104.0
 
 
-def test_a_clock_behind_the_services_posts_no_negative_span() -> None:
-    """The job phase starts on the service's clock and ends on the head's."""
+def test_a_lap_before_the_last_is_zero_and_the_next_starts_where_the_last_ended() -> None:
+    """The job phase starts on the service's clock and ends on the head's; a rank's process
+    may have started (an idle worker Ray reuses) before the driver called fit()."""
     posted: list[tuple[StartupPhase, float]] = []
     clock = StartupClock(lambda phase, seconds: posted.append((phase, seconds)), since=100.0)
-    clock.lap(StartupPhase.JOB, at=99.0)
-    clock.lap(StartupPhase.DRIVER, at=102.0)
-    assert posted == [(StartupPhase.JOB, 0.0), (StartupPhase.DRIVER, 3.0)]
+    clock.lap(StartupPhase.WORKERS, at=99.0)
+    clock.lap(StartupPhase.PROCESS_GROUP, at=102.0)
+    # No overlap: the phases add up to the wall time from 100 to 102.
+    assert posted == [(StartupPhase.WORKERS, 0.0), (StartupPhase.PROCESS_GROUP, 2.0)]
 
 
 def test_ranks_that_post_nothing_still_lap() -> None:
