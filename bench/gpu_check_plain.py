@@ -150,6 +150,7 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     import torch
 
     from worker.data.loading import model_inputs
+    from worker.training.loop import batches_from
 
     built = setup(request)
     engine, loader, device, one_row = built.engine, built.loader, built.device, built.one_row
@@ -160,27 +161,30 @@ def train(request: dict[str, Any], *, steps: int) -> dict[str, Any]:
     losses: list[float] = []
     process = psutil.Process()
     peak_rss = 0
-    epoch = 0
+    # The run's walk of its data: epochs reshuffled, each cut to whole steps.
+    batches = batches_from(built.plan, loader, 0)
+    accumulation = built.spec.training.gradient_accumulation_steps
     synchronize()
     last = time.perf_counter()
     while len(step_times) < steps:
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
+        step_loss = 0.0
+        step_tokens = 0
+        for _ in range(accumulation):
+            batch = next(batches)
             on_device = {k: v.to(device) for k, v in batch.items()}
             loss = engine(**model_inputs(on_device, one_row=one_row)).loss
             engine.backward(loss)
-            engine.step()
-            synchronize()
-            now = time.perf_counter()
-            step_times.append(now - last)
-            last = now
-            tokens.append(int(batch["input_ids"].numel()))
-            losses.append(float(loss))
-            # As the worker's memory_rss_bytes metric: resident memory at each step's end.
-            peak_rss = max(peak_rss, process.memory_info().rss)
-            if len(step_times) == steps:
-                break
-        epoch += 1
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+            step_loss += float(loss) / accumulation
+            step_tokens += int(batch["input_ids"].numel())
+        synchronize()
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last = now
+        tokens.append(step_tokens)
+        losses.append(step_loss)
+        # As the worker's memory_rss_bytes metric: resident memory at each step's end.
+        peak_rss = max(peak_rss, process.memory_info().rss)
 
     result: dict[str, Any] = {
         "step_times": step_times,

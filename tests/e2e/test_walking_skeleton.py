@@ -122,22 +122,23 @@ def test_zero2_run_trains_reports_and_checkpoints(service: Service, tiny_model_d
     assert f"run_id={run['id']}" in service.log_path.read_text()
 
 
-def test_a_dataset_without_the_text_field_fails_naming_the_field(
+def test_a_dataset_without_the_text_field_is_refused_naming_the_field(
     service: Service, tiny_model_dir: Path
 ) -> None:
+    """Before any compute: a local file's records are read at create (a hub dataset's
+    fields are the worker's to find: tests/worker/data/test_examples.py)."""
     data = write_jsonl_dataset(service.data_dir / "wrong-field.jsonl", rows=50, field="body")
-    # One worker: every rank reads the data itself, so one fails as all would.
-    run = service.submit(_zero2_request(tiny_model_dir, data) | {"resources": {"num_workers": 1}})
-
-    watched = service.cli("watch", run["id"], "--interval", "0.5")
-    assert watched.returncode == 1  # scripts can rely on it: the run failed
-    assert "dataset.text_field" in watched.stdout
-    run = service.wait_terminal(run["id"])
-    assert run["status"] == "failed"
-    assert run["error"]["code"] == "training_error"
-    assert "'text'" in run["error"]["message"]
-    assert "dataset.text_field" in run["error"]["message"]
-    assert "body" in run["error"]["message"]  # the fields it does have
+    runs_before = service.http.get("/v1/runs", params={"limit": 100}).json()["data"]
+    response = service.http.post(
+        "/v1/runs",
+        json=_zero2_request(tiny_model_dir, data) | {"resources": {"num_workers": 1}},
+    )
+    assert response.status_code == 422, response.text
+    (problem,) = response.json()["detail"]
+    assert problem["field"] == "dataset.source"
+    assert "no field 'text' (dataset.text_field names it)" in problem["message"]
+    assert "['body']" in problem["message"]  # the fields it does have
+    assert service.http.get("/v1/runs", params={"limit": 100}).json()["data"] == runs_before
 
 
 def test_a_model_that_cannot_be_loaded_fails_naming_it(
