@@ -437,26 +437,29 @@ def plain_env(settings: CheckSettings) -> dict[str, str]:
     return env
 
 
-def measure_plain(
-    body: dict[str, Any], *, workdir: Path, settings: CheckSettings, timeout_s: float = 3600
-) -> Measurement:
-    """bench/gpu_check_plain.py in a process of its own, on the same request."""
+def run_module(
+    module: str,
+    body: dict[str, Any],
+    *,
+    name: str,
+    what: str,
+    args: list[str],
+    workdir: Path,
+    settings: CheckSettings,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """`python -m module --request=... --out=... *args` in a process of its own, on the
+    check's request for one stage, its output in workdir's `<name>-zero<stage>.log`: the
+    JSON it wrote to --out."""
     stage = body["deepspeed"]["zero_stage"]
     workdir.mkdir(parents=True, exist_ok=True)
-    request = workdir / f"plain-zero{stage}-request.json"
-    out = workdir / f"plain-zero{stage}.json"
-    log = workdir / f"plain-zero{stage}.log"
+    request = workdir / f"{name}-zero{stage}-request.json"
+    out = workdir / f"{name}-zero{stage}.json"
+    log = workdir / f"{name}-zero{stage}.log"
     request.write_text(json.dumps(body))
     with log.open("wb") as log_file:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.gpu_check_plain",
-                f"--request={request}",
-                f"--out={out}",
-                f"--steps={settings.steps}",
-            ],
+            [sys.executable, "-m", module, f"--request={request}", f"--out={out}", *args],
             cwd=workdir,
             env=plain_env(settings),
             stdout=log_file,
@@ -464,10 +467,25 @@ def measure_plain(
             timeout=timeout_s,
         )
     if done.returncode != 0:
-        raise RuntimeError(
-            f"the plain DeepSpeed script failed ({done.returncode}):\n{log.read_text()[-4000:]}"
-        )
-    result = json.loads(out.read_text())
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{log.read_text()[-4000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def measure_plain(
+    body: dict[str, Any], *, workdir: Path, settings: CheckSettings, timeout_s: float = 3600
+) -> Measurement:
+    """bench/gpu_check_plain.py in a process of its own, on the same request."""
+    result = run_module(
+        "bench.gpu_check_plain",
+        body,
+        name="plain",
+        what="the plain DeepSpeed script",
+        args=[f"--steps={settings.steps}"],
+        workdir=workdir,
+        settings=settings,
+        timeout_s=timeout_s,
+    )
     return Measurement(
         side=PLAIN,
         zero_stage=int(result["zero_stage"]),
@@ -533,35 +551,19 @@ def profile_stage(
     body: dict[str, Any], *, workdir: Path, trace_dir: Path, settings: CheckSettings
 ) -> dict[str, Any]:
     """bench/gpu_profile.py in a process of its own, on the check's request: its summary."""
-    stage = body["deepspeed"]["zero_stage"]
-    workdir.mkdir(parents=True, exist_ok=True)
-    request, out = (
-        workdir / f"profile-zero{stage}-request.json",
-        workdir / f"profile-zero{stage}.json",
+    return run_module(
+        "bench.gpu_profile",
+        body,
+        name="profile",
+        what="the profile",
+        args=[
+            f"--trace-dir={trace_dir}",
+            f"--warmup-steps={min(settings.warmup_steps, PROFILE_WARMUP_STEPS)}",
+            f"--steps={profile_steps(settings)}",
+        ],
+        workdir=workdir,
+        settings=settings,
     )
-    log = workdir / f"profile-zero{stage}.log"
-    request.write_text(json.dumps(body))
-    with log.open("wb") as log_file:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.gpu_profile",
-                f"--request={request}",
-                f"--out={out}",
-                f"--trace-dir={trace_dir}",
-                f"--warmup-steps={min(settings.warmup_steps, PROFILE_WARMUP_STEPS)}",
-                f"--steps={profile_steps(settings)}",
-            ],
-            cwd=workdir,
-            env=plain_env(settings),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the profile failed ({done.returncode}):\n{log.read_text()[-4000:]}")
-    summary: dict[str, Any] = json.loads(out.read_text())
-    return summary
 
 
 def profile_tables(
