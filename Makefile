@@ -27,6 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# DeepSpeed's CPU ops (CPU Adam, shared-memory collectives), compiled once here rather
+	# than in the first run that loads them (worker/training/jit_ops.py).
+	$(BIN)/python -m worker.training.jit_ops
 	touch $@
 
 demo: setup

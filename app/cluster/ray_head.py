@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,15 @@ START_ATTEMPTS = 3
 # 8% of all the CPU on it.
 # With no threshold it looks for new files every LOG_NAME_UPDATE_INTERVAL_S (Ray's 0.5 s)
 # and still reads each from its start, so no line is lost, one is at most 0.5 s later.
-QUIET_LOG_MONITOR = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+#
+# The queue admits a run when the head reports room (app/cluster/usage.py), and Ray's monitor
+# writes that report every AUTOSCALER_UPDATE_INTERVAL_S (Ray's 5 s): a run that freed the
+# node stayed taken for 2.5 s on average after it ended, and each queued run waited that
+# long. Every second costs the monitor a few reads from the GCS (0.5% of a core).
+HEAD_ENV_DEFAULTS = {
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+}
 _PORT_FLAGS = (
     "--port",
     "--dashboard-port",
@@ -119,7 +128,8 @@ def _attach_or_start(settings: Settings) -> LocalRayHead:
         state_file.unlink()
 
     # A port found free may be taken by another process before Ray binds it (two services
-    # starting side by side): `ray start` then exits at once, and fresh ports are tried.
+    # starting side by side): `ray start` then exits at once, or its dashboard agent comes
+    # up without its server (app/ports.py says why that is rare now); fresh ports are tried.
     for attempt in range(1, START_ATTEMPTS + 1):
         head, proc, log_path = _start(settings)
         failure = _wait_until_ready(head, proc, token=_token(settings))
@@ -162,7 +172,7 @@ def _start(settings: Settings) -> tuple[LocalRayHead, subprocess.Popen[bytes], P
     env = dict(os.environ)
     # Job entrypoints run `python -m worker`: make that this environment's python.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for name, value in QUIET_LOG_MONITOR.items():
+    for name, value in HEAD_ENV_DEFAULTS.items():
         env.setdefault(name, value)  # an operator's own setting wins
     log_path = settings.ray_state_dir / "head.log"
     with open(log_path, "ab") as log_file:
@@ -181,15 +191,16 @@ def _start(settings: Settings) -> tuple[LocalRayHead, subprocess.Popen[bytes], P
 def _wait_until_ready(
     head: LocalRayHead, proc: subprocess.Popen[bytes], *, token: str
 ) -> str | None:
-    """None once the head is ready, else what went wrong: "exited with N" or "timed out"."""
+    """None once the head is ready, else what went wrong: "exited with N", "timed out" or
+    the node's own failure (`_agent_failure`)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not _node_registered(head.dashboard_url, token=token):
+    while (node := _head_node(head.dashboard_url, token=token)) is None:
         if proc.poll() is not None:
             return f"exited with {proc.returncode}"
         if time.monotonic() > deadline:
             return "timed out"
         time.sleep(0.5)
-    return None
+    return _agent_failure(node)
 
 
 def _token(settings: Settings) -> str:
@@ -200,8 +211,8 @@ def forget_local_head(settings: Settings) -> None:
     (settings.ray_state_dir / "head.json").unlink(missing_ok=True)
 
 
-def _node_registered(url: str, *, token: str) -> bool:
-    """Whether the head's own node is in the dashboard's node list.
+def _head_node(url: str, *, token: str) -> dict[str, Any] | None:
+    """The head's own node as the dashboard's node list shows it; None while it is not there.
 
     The dashboard answers before the raylet has registered with the GCS; a job submitted
     in between waits for its supervisor actor with no node to place it on. Token auth is
@@ -213,9 +224,26 @@ def _node_registered(url: str, *, token: str) -> bool:
             headers={"Authorization": f"Bearer {token}"},
             timeout=2.0,
         )
-        return response.status_code == 200 and bool(response.json()["data"]["summary"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return False
+        if response.status_code != 200:
+            return None
+        nodes = response.json()["data"]["summary"]
+        return dict(nodes[0]) if nodes else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _agent_failure(node: dict[str, Any]) -> str | None:
+    """Why the node cannot take jobs though it registered, or None.
+
+    A dashboard agent whose server cannot bind its port stays alive with the server off,
+    and Ray records the port as -1 (ray/dashboard/agent.py): the node registers and
+    answers, but every job submission is refused ("No available agent to submit job") for
+    the head's whole life. Started again on fresh ports, it comes up whole. (The runtime env
+    agent exits instead, and the node never registers.)"""
+    port = (node.get("raylet") or {}).get("dashboardAgentListenPort")
+    if isinstance(port, int) and port < 0:
+        return "started without its dashboard agent, whose port was taken"
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from app.cluster import ray_head
 from app.cluster.ray_head import (
     _PORT_FLAGS,
     _alive,
-    _node_registered,
+    _head_node,
     ensure_local_head,
     stop_local_head,
 )
@@ -56,39 +57,69 @@ def test_a_head_that_is_our_own_ended_child_is_reaped_and_not_alive() -> None:
         time.sleep(0.1)
 
 
-def test_a_head_whose_port_was_taken_starts_on_other_ports(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_head_whose_ports_were_taken_starts_on_other_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`ray start` exits when a port found free was taken meanwhile (another service
-    starting beside this one); the service starts the head again on fresh ports, and calls
-    it started only once its node is registered, not once the dashboard answers."""
+    """A port found free may be taken before Ray binds it (another service starting beside
+    this one). Its dashboard's port taken, `ray start` exits; its dashboard agent's port
+    taken, the head comes up and answers but refuses every job. Either way the service
+    starts the head again on fresh ports, and calls it started only once its node is
+    registered with its agent serving, not once the dashboard answers."""
     # configure_ray_auth sets these for the process: undone after the test.
     monkeypatch.setenv("RAY_AUTH_MODE", "")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "")
     settings = Settings(home=tmp_path, local_ray_num_cpus=1)
+    # First the dashboard's port (Ray exits within seconds; a GCS port taken costs it 40 s
+    # of retries first), then the agent's (its server gives up after six tries).
+    taken_flags = ["--dashboard-port", "--dashboard-agent-listen-port"]
     picked: list[list[int]] = []
 
     def ports(count: int) -> list[int]:
         chosen = list(free_ports(count))
-        if not picked:
-            # The dashboard's port, held below: Ray exits within seconds (a GCS port taken
-            # costs it 40 s of retries first).
-            chosen[_PORT_FLAGS.index("--dashboard-port")] = taken.getsockname()[1]
+        if len(picked) < len(taken_flags):
+            flag = taken_flags[len(picked)]
+            chosen[_PORT_FLAGS.index(flag)] = held[flag].getsockname()[1]
         picked.append(chosen)
         return chosen
 
     monkeypatch.setattr(ray_head, "free_ports", ports)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+    with contextlib.ExitStack() as stack:
+        held = {flag: stack.enter_context(socket.socket()) for flag in taken_flags}
+        for sock in held.values():
+            sock.bind(("", 0))  # every interface: the agent binds the node's address
+            sock.listen()
         head = ensure_local_head(settings)
         try:
-            assert len(picked) == 2
-            dashboard_port = picked[1][_PORT_FLAGS.index("--dashboard-port")]
+            assert len(picked) == 3
+            assert "exited with 1 (attempt 1)" in caplog.text
+            assert "started without its dashboard agent, whose port was taken (attempt 2)" in (
+                caplog.text
+            )
+            dashboard_port = picked[2][_PORT_FLAGS.index("--dashboard-port")]
             assert head.dashboard_url == f"http://127.0.0.1:{dashboard_port}"
             token = (settings.ray_state_dir / "auth_token").read_text()
-            assert _node_registered(head.dashboard_url, token=token)
+            node = _head_node(head.dashboard_url, token=token)
+            assert node is not None
+            agent_port = picked[2][_PORT_FLAGS.index("--dashboard-agent-listen-port")]
+            assert node["raylet"]["dashboardAgentListenPort"] == agent_port, node["raylet"]
             # Without the token the dashboard refuses: readiness is not "it answered".
-            assert not _node_registered(head.dashboard_url, token="not-the-token")
+            assert _head_node(head.dashboard_url, token="not-the-token") is None
+            # Its monitor reports what is free every second: the queue's view of room.
+            assert _monitor_env(head.pid).get("AUTOSCALER_UPDATE_INTERVAL_S") == "1"
         finally:
             stop_local_head(settings)
+
+
+def _monitor_env(head_pid: int, timeout_s: float = 30) -> dict[str, str]:
+    """The environment of the head's autoscaler monitor (`ray start` starts it beside the
+    GCS, maybe a moment after the node registered)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for child in psutil.Process(head_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if any(arg.endswith("autoscaler/_private/monitor.py") for arg in child.cmdline()):
+                    return dict(child.environ())
+        assert time.monotonic() < deadline, "the head started no autoscaler monitor"
+        time.sleep(0.5)
