@@ -16,7 +16,9 @@ run that needs it fails then with DeepSpeed's own error, and one that does not n
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 from worker.training.deepspeed_import import import_deepspeed
 from worker.training.jit_lock import clear_stale_jit_locks
@@ -53,6 +55,11 @@ def prebuild() -> dict[str, str | None]:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Built with the `ninja` the runs use: the embedded head puts this environment's bin
+    # folder first on its jobs' PATH (app/cluster/ray_head.py), and a build by another
+    # ninja (the system's) hashes its commands differently, so every run would build the
+    # ops again from scratch instead of loading these.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     for name, error in prebuild().items():
         if error is None:
             log.info("DeepSpeed op %s: built", name)
