@@ -6,8 +6,9 @@ The kernel's own pick (bind to port 0) comes from its ephemeral range, the same 
 outgoing connection's local port comes from, and a Ray head makes dozens of connections as it
 starts: one of them once took the port picked for the head's dashboard agent, whose server
 then stayed down and refused every job ("No available agent to submit job"). So ports are
-picked below that range, where only a process binding that very port can take it, and each
-is checked free on every interface (Ray's agents bind the node's address, not loopback).
+picked below that range, where only a process binding that very port can take it (and
+above Ray's worker ports, which `ray start` keeps for itself), and each is checked free on
+every interface (Ray's agents bind the node's address, not loopback).
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 IANA_EPHEMERAL_START = 49152
 # Above Ray's worker ports (10002-19999 by default: `ray start --min-worker-port`), which
 # `ray start` refuses to see another of its ports among. With fewer than MIN_SPAN ports
-# between this and the ephemeral range, the kernel's pick is used instead.
+# between this and the ephemeral range (a range that starts low), ports come from anywhere
+# above it, the ephemeral range included.
 LOWEST_PORT = 20000
+HIGHEST_PORT = 65535
 MIN_SPAN = 1000
 TRIES_PER_PORT = 50
+# The OS's randomness: a process that seeded `random` (transformers' set_seed) would
+# otherwise pick the same ports every time.
+_RANDOM = random.SystemRandom()
 
 
 def ephemeral_start() -> int:
@@ -50,13 +56,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def _bound(top: int) -> socket.socket:
-    """A socket bound to a free port below `top` on all interfaces (the kernel's pick if
-    there is no room below it)."""
-    candidates = range(LOWEST_PORT, top) if top - LOWEST_PORT >= MIN_SPAN else range(0)
-    for _ in range(TRIES_PER_PORT if candidates else 0):
+    """A socket bound on all interfaces to a free port above Ray's worker ports, below `top`
+    where there is room (the kernel's pick if none is found)."""
+    high = top if top - LOWEST_PORT >= MIN_SPAN else HIGHEST_PORT + 1
+    for _ in range(TRIES_PER_PORT):
         s = socket.socket()
         try:
-            s.bind(("", random.choice(candidates)))
+            s.bind(("", _RANDOM.randrange(LOWEST_PORT, high)))
         except OSError:
             s.close()
             continue

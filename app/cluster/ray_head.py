@@ -227,8 +227,8 @@ def _head_node(url: str, *, token: str) -> dict[str, Any] | None:
         if response.status_code != 200:
             return None
         nodes = response.json()["data"]["summary"]
-        return dict(nodes[0]) if nodes else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+        return next((dict(n) for n in nodes if (n.get("raylet") or {}).get("isHeadNode")), None)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -2,15 +2,16 @@
 
 DeepSpeed compiles an op the first time a process loads it, into torch's extensions cache
 (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), and every later load on the
-machine reuses the build. Two are loaded by runs on CPU: CPU Adam, by any run whose optimizer
-is offloaded (`deepspeed.offload_optimizer`, on CPU and GPU nodes alike), and the shared-memory
-collectives, by every run on DeepSpeed's CPU accelerator (`deepspeed.init_distributed`).
-Building them here takes about 40 s on 2 cores once, instead of inside a user's first run
-(its start-up phases show it) or the test suite's first test that offloads.
+machine reuses the build. Two are loaded by runs: CPU Adam, by any run whose optimizer is
+offloaded (`deepspeed.offload_optimizer`; DeepSpeed builds the same CPU op for GPU runs), and
+the shared-memory collectives, by every CPU run (`deepspeed.init_distributed` on DeepSpeed's
+CPU accelerator, which tuneyard gives every CPU run, app/cluster/runtime_env.py). Building them
+here takes about 40 s on 2 cores once, instead of inside a user's first run (its start-up
+phases show it) or the test suite's first test that offloads.
 
-`python -m worker.training.jit_ops` builds what this machine's accelerator uses. An op that
-cannot be built (no compiler, no CUDA toolkit for the GPU build) is reported and left: a
-run that needs it fails then with DeepSpeed's own error, and one that does not never knew.
+`python -m worker.training.jit_ops` builds both on the CPU accelerator (or the one
+`DS_ACCELERATOR` names). An op that cannot be built (no compiler) is reported and left: a run
+that needs it fails then with DeepSpeed's own error, and one that does not never knew.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from worker.training.jit_lock import clear_stale_jit_locks
 log = logging.getLogger("tuneyard.worker")
 
 # DeepSpeed's builder names (deepspeed/ops/op_builder/<accelerator>/): the accelerator says
-# which it has, and gives none for an op it does not use (the GPU accelerators have no
-# shared-memory collectives).
+# which it has, and gives none for an op it does not have.
 OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")
 
 
@@ -60,6 +60,9 @@ def main() -> int:
     # ninja (the system's) hashes its commands differently, so every run would build the
     # ops again from scratch instead of loading these.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # The accelerator CPU runs load their ops on, even on a GPU machine (whose own, CUDA,
+    # has no shared-memory collectives and builds the same CPU Adam).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name, error in prebuild().items():
         if error is None:
             log.info("DeepSpeed op %s: built", name)

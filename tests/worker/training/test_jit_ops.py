@@ -18,7 +18,8 @@ def _prebuild(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "DS_ACCELERATOR": "cpu", **env},
+        # DS_ACCELERATOR unset, as `make setup` runs it: the module picks the CPU's.
+        env={**{k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}, **env},
     )
 
 
