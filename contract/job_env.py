@@ -1,4 +1,9 @@
-"""The environment variables through which the dispatcher hands one attempt to its worker."""
+"""The environment variables through which the dispatcher hands one attempt to its worker,
+and the PATH every process tuneyard starts for a run finds its tools on."""
+
+import os
+import sys
+from pathlib import Path
 
 # The attempt's RunSpec as JSON (contract/run_request.py).
 SPEC_ENV = "TUNEYARD_RUN_SPEC"
@@ -58,3 +63,12 @@ TRACKER_VARIABLES = {
     "mlflow": ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
     "wandb": ("WANDB_API_KEY", "WANDB_BASE_URL"),
 }
+
+
+def path_with_this_environment(path: str | None) -> str:
+    """`path` with this Python environment's bin folder first: the `python` a job's entrypoint
+    (`python -m worker`) runs, the `ray` a node starts with, and the `ninja` DeepSpeed's JIT
+    builds use. Every process that builds or loads those ops must find the same ninja: the
+    venv's and the system's hash the build commands in .ninja_log differently, and each
+    switch between them rebuilt both ops from scratch (about 75 s) instead of loading them."""
+    return f"{Path(sys.executable).parent}{os.pathsep}{path or ''}"

@@ -28,6 +28,7 @@ from app.settings import Settings
 from app.storage.db import make_engine, make_session_factory, transaction
 from app.storage.migrate import upgrade_database
 from app.storage.models import Base
+from contract.job_env import path_with_this_environment
 from tests import postgres_server
 from tests.e2e.lanes import LANES, LaneScheduling
 
@@ -96,13 +97,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LaneSch
 @pytest.fixture(scope="session", autouse=True)
 def venv_tools_on_path() -> Iterator[None]:
     """This environment's bin folder first on PATH for everything the tests start, as the
-    embedded Ray head gives its jobs (app/cluster/ray_head.py). DeepSpeed JIT-builds its ops (shm
-    comm, CPU Adam) with whichever `ninja` PATH finds, and the venv's (pip's, 1.13) and the
-    system's (1.11) hash the build commands in .ninja_log differently: every switch between
-    a process started here and a job on Ray rebuilt both ops from scratch (about 75 s)
-    instead of loading them."""
+    embedded Ray head gives its jobs (contract/job_env.py says why)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        patch.setenv("PATH", path_with_this_environment(os.environ.get("PATH")))
         yield
 
 

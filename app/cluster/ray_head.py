@@ -27,6 +27,7 @@ import httpx
 
 from app.ports import free_ports
 from app.settings import Settings
+from contract.job_env import path_with_this_environment
 
 log = logging.getLogger("tuneyard")
 
@@ -171,7 +172,7 @@ def _start(settings: Settings) -> tuple[LocalRayHead, subprocess.Popen[bytes], P
         cmd.append(f"--num-cpus={settings.local_ray_num_cpus}")
     env = dict(os.environ)
     # Job entrypoints run `python -m worker`: make that this environment's python.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = path_with_this_environment(env.get("PATH"))
     for name, value in HEAD_ENV_DEFAULTS.items():
         env.setdefault(name, value)  # an operator's own setting wins
     log_path = settings.ray_state_dir / "head.log"

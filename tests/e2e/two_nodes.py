@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from app.ports import free_ports
+from contract.job_env import path_with_this_environment
 
 # Every port a node opens, given free ones: Ray's defaults would collide with the shared
 # e2e service's own head on this machine.
@@ -182,7 +183,7 @@ class TwoNodeCluster:
         env = {
             **os.environ,
             **self.env,
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PATH": path_with_this_environment(os.environ.get("PATH")),
         }
         log_path = self.root / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the node outlives this call

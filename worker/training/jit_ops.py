@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
+from contract.job_env import path_with_this_environment
 from worker.training.deepspeed_import import import_deepspeed
 from worker.training.jit_lock import clear_stale_jit_locks
 
@@ -55,11 +55,8 @@ def prebuild() -> dict[str, str | None]:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # Built with the `ninja` the runs use: the embedded head puts this environment's bin
-    # folder first on its jobs' PATH (app/cluster/ray_head.py), and a build by another
-    # ninja (the system's) hashes its commands differently, so every run would build the
-    # ops again from scratch instead of loading these.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # Built with the `ninja` the runs use (the embedded head gives its jobs the same PATH).
+    os.environ["PATH"] = path_with_this_environment(os.environ.get("PATH"))
     # The accelerator CPU runs load their ops on, even on a GPU machine (whose own, CUDA,
     # has no shared-memory collectives and builds the same CPU Adam).
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
