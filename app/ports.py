@@ -45,20 +45,20 @@ def free_ports(n: int) -> list[int]:
     picked, so none repeats; a process binding one of them itself may still take it before
     the caller does (callers that start servers retry on fresh ports)."""
     top = ephemeral_start()
+    high = top if top - LOWEST_PORT >= MIN_SPAN else HIGHEST_PORT + 1
     sockets: list[socket.socket] = []
     try:
         for _ in range(n):
-            sockets.append(_bound(top))
+            sockets.append(_bound(high))
         return [int(s.getsockname()[1]) for s in sockets]
     finally:
         for s in sockets:
             s.close()
 
 
-def _bound(top: int) -> socket.socket:
-    """A socket bound on all interfaces to a free port above Ray's worker ports, below `top`
-    where there is room (the kernel's pick if none is found)."""
-    high = top if top - LOWEST_PORT >= MIN_SPAN else HIGHEST_PORT + 1
+def _bound(high: int) -> socket.socket:
+    """A socket bound on all interfaces to a free port from LOWEST_PORT up to `high`
+    (excluded); the kernel's pick if none is found."""
     for _ in range(TRIES_PER_PORT):
         s = socket.socket()
         try:
