@@ -2,7 +2,8 @@
 # The GPU check in one call on a lent GPU node (issue 38): install the project on the node's
 # own Python (it has torch, transformers and peft, and no package index), then profile
 # tuneyard's step at ZeRO-2 and ZeRO-3, then the like-for-like check against the plain
-# DeepSpeed script. Everything worth keeping lands in $OUT: the tables (also appended to
+# DeepSpeed script, then the ~1.5B model at ZeRO-3 against its memory estimate
+# (bench/gpu_large.py). Everything worth keeping lands in $OUT: the tables (also appended to
 # that copy of BENCHMARKS.md), the traces (gzipped), the versions and the GPU's name.
 #
 #   bash bench/gpu_node.sh [CARRIED]
@@ -38,6 +39,7 @@ status=0
 "$python" -m bench.gpu_check --profile --trace-dir "$out/traces" $args 2>&1 | tee "$out/profile.txt" \
     || status=1
 "$python" -m bench.gpu_check $args 2>&1 | tee "$out/check.txt" || status=1
+"$python" -m bench.gpu_large $args 2>&1 | tee "$out/large.txt" || status=1
 gzip -f "$out"/traces/*.json 2>/dev/null || true
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
 exit $status

@@ -18,7 +18,7 @@ import torch
 
 from app.ports import free_port
 from contract.run_request import RunSpec
-from tests.worker.one_rank import join_one_rank_group
+from tests.worker.one_rank import join_one_rank_group, spawn_ranks
 
 STEPS = 4
 SAVED_AT = 2
@@ -196,14 +196,13 @@ def assert_same_logits(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> 
 def test_lora_run_matches_peft_exports_and_resumes(
     stage: int, export: str, offload: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    import torch.multiprocessing as mp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = spec_for(
         tiny_llama_dir, tmp_path / "storage", stage=stage, export=export, offload=offload
     )
-    mp.spawn(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
+    spawn_ranks(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     result = json.loads((tmp_path / "result.json").read_text())
     weights = torch.load(tmp_path / "weights.pt")
     start, end = weights["start"], weights["end"]

@@ -17,6 +17,7 @@ import torch
 
 from contract.deepspeed_config import resolve_deepspeed_config, resolve_precision
 from contract.run_request import RunSpec
+from tests.worker.one_rank import spawn_ranks
 from worker.model.loading import build_model
 
 
@@ -107,10 +108,9 @@ def _load_partitioned(rank: int, model: str, port: int, out: str) -> None:
 def test_zero3_creates_the_model_partitioned_across_ranks(
     bf16_llama: Path, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    mp.spawn(_load_partitioned, args=(str(bf16_llama), _free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_load_partitioned, args=(str(bf16_llama), _free_port(), str(tmp_path)), nprocs=2)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     expected = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.float32)
     full = sum(p.numel() for p in expected.parameters())

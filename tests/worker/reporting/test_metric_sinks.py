@@ -10,6 +10,7 @@ import torch
 
 from contract.job_env import CALLBACK_URL_ENV, TOKEN_ENV
 from contract.run_request import RunSpec
+from tests.worker.one_rank import spawn_ranks
 from worker.reporting.metrics import MetricSinks, StepResult
 
 
@@ -163,13 +164,11 @@ def test_metric_reduction_has_its_own_process_group(tmp_path: Any) -> None:
     reduction (a mismatch: an error or a wrong sum); in its own group both come out right."""
     import json
 
-    import torch.multiprocessing as mp
-
     from app.ports import free_port
 
     port = free_port()
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_reduces_beside_training, args=(port, out), nprocs=2)
+    spawn_ranks(_rank_reduces_beside_training, args=(port, out), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank.{rank}").read_text())
         assert result["loss"] == 3.0  # the parts' sum

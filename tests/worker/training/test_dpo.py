@@ -19,7 +19,7 @@ import torch
 from app.ports import free_port
 from contract.eval_metrics import PAIR_METRICS
 from contract.run_request import RunSpec
-from tests.worker.one_rank import join_one_rank_group
+from tests.worker.one_rank import join_one_rank_group, spawn_ranks
 from worker.data.loading import IGNORE_INDEX
 from worker.data.preference import PreferenceCollator, tokenize_preference
 from worker.training.dpo import pair_sums, sigmoid_loss, valid_pairs
@@ -530,8 +530,6 @@ def test_steps_match_trls_dpo_trainer(
     tiny_llama_dir: Path,
     tmp_path: Path,
 ) -> None:
-    import torch.multiprocessing as mp
-
     if lora is not None:
         pytest.importorskip("worker.model.lora")
     source = tmp_path / "pairs.jsonl"
@@ -541,7 +539,7 @@ def test_steps_match_trls_dpo_trainer(
     spec = spec_for(
         tiny_llama_dir, source, lora=lora, zero_stage=zero_stage, accumulation=accumulation
     )
-    mp.spawn(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
+    spawn_ranks(_train_ours, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     ours = json.loads((tmp_path / "steps.json").read_text())
     start = torch.load(tmp_path / "start.pt")
 

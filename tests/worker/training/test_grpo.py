@@ -16,7 +16,7 @@ import torch
 
 from app.ports import free_port
 from contract.run_request import RunSpec
-from tests.worker.one_rank import join_one_rank_group
+from tests.worker.one_rank import join_one_rank_group, spawn_ranks
 
 PROMPTS = [
     {"prompt": "market price", "answer": "up"},
@@ -106,9 +106,7 @@ def _train(rank: int, spec_json: str, port: int, out: str) -> None:
 
 
 def run_ours(spec: RunSpec, tmp_path: Path) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_train, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
+    spawn_ranks(_train, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     return json.loads((tmp_path / "result.json").read_text())
 
 

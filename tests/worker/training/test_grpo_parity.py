@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from app.ports import free_port
 from contract.run_request import GrpoMethod, RunSpec
-from tests.worker.one_rank import join_group
+from tests.worker.one_rank import join_group, spawn_ranks
 from tests.worker.training.test_grpo import spec_for
 from tests.worker.training.test_grpo_loss import GROUP, grads, logps_of, trl_trainer
 
@@ -202,9 +202,7 @@ def _measure(rank: int, spec_json: str, port: int, out: str) -> None:
 def run_ranks(spec: RunSpec, tmp_path: Path) -> list[dict[str, Any]]:
     """Each rank's results, saved by torch rather than as JSON: five whole gradients and
     the weights, bit for bit."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_measure, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=WORLD)
+    spawn_ranks(_measure, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=WORLD)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

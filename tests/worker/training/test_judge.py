@@ -18,7 +18,7 @@ from app.ports import free_port
 from contract.graders.models import Grader, ScoreModelGrader
 from contract.run_request import RunSpec
 from tests.worker.judges import NEWLINE, build_chat_judge, build_rigged_judge
-from tests.worker.one_rank import join_one_rank_group
+from tests.worker.one_rank import join_one_rank_group, spawn_ranks
 
 CPU = torch.device("cpu")
 
@@ -214,8 +214,6 @@ def test_a_grpo_step_takes_its_rewards_from_the_judge(
 ) -> None:
     """ZeRO-3: the judge loads whole beside a partitioned policy (transformers would
     otherwise create it inside zero.Init)."""
-    import torch.multiprocessing as mp
-
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     grader = {
@@ -251,7 +249,7 @@ def test_a_grpo_step_takes_its_rewards_from_the_judge(
             "resources": {"num_workers": 1},
         }
     )
-    mp.spawn(_train, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
+    spawn_ranks(_train, args=(spec.model_dump_json(), free_port(), str(tmp_path)), nprocs=1)
     result = json.loads((tmp_path / "result.json").read_text())
     step = result["step"]
     assert step["grade_failures"] == 0
