@@ -261,7 +261,7 @@ class TestEntryPoints:
         """`make bench` runs on CPU machines; the GPU check has a target of its own."""
         from bench.run_all import benchmarks
 
-        assert not {"gpu_check", "gpu_check_plain"} & set(benchmarks())
+        assert not {"gpu_check", "gpu_check_plain", "gpu_large"} & set(benchmarks())
 
     @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
     def test_make_gpu_check_runs_it(self, tmp_path: Path) -> None:
