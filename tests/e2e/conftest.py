@@ -113,6 +113,10 @@ class Service:
         (folder / f"{run_id}.hold").write_text(str(step))
         return folder / f"{run_id}.held"
 
+    def let_go(self, run_id: str) -> None:
+        """The run's held workers (`hold_at`) train on."""
+        (Path(self.env[STEP_GATE_ENV]) / f"{run_id}.hold").unlink(missing_ok=True)
+
     def wait_held(
         self, held: Path, run_id: str, *, checkpoint: int | None = None, timeout_s: float = 600
     ) -> None:

@@ -33,6 +33,9 @@ SCREENSHOTS = (
 VIEWPORT = {"width": 1280, "height": 800}
 # Long enough to still be training when the test cancels it from the page.
 LONG_STEPS = 400
+# Where the long run waits (worker/training/step_gate.py) while the list is checked, rather
+# than spend a core training on; the run page lets it go on, to draw new losses live.
+LONG_HOLD_AT = 3
 SHORT_STEPS = 8
 
 
@@ -62,7 +65,9 @@ def dataset(service: Service) -> Path:
 
 @pytest.fixture(scope="module")
 def long_run(service: Service, tiny_model_dir: Path, dataset: Path) -> dict[str, Any]:
-    return service.submit(_request(tiny_model_dir, dataset, steps=LONG_STEPS, name="long"))
+    run = service.submit(_request(tiny_model_dir, dataset, steps=LONG_STEPS, name="long"))
+    service.hold_at(run["id"], LONG_HOLD_AT)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +201,12 @@ def test_a_wrong_key_is_refused_and_the_list_shows_the_runs(
     screenshot(page, "list")
 
 
+def _let_go(service: Service, run_id: str) -> None:
+    """The long run, held at LONG_HOLD_AT (or on its way there), trains on."""
+    service.wait_held(service.hold_at(run_id, LONG_HOLD_AT), run_id)
+    service.let_go(run_id)
+
+
 def _losses(service: Service, run_id: str) -> int:
     """How many losses the service holds of `run_id`."""
     answer = service.http.get(f"/v1/runs/{run_id}/metrics", params={"name": "loss", "limit": 10})
@@ -211,6 +222,7 @@ def test_the_run_page_draws_the_loss_live_and_cancels_the_run(
         page, "Number(document.querySelector('#chart-loss').dataset.points) > 0", timeout=240_000
     )
     first = points(page, "loss")
+    _let_go(service, long_run["id"])
     wait_until(
         page,
         f"Number(document.querySelector('#chart-loss').dataset.points) > {first}",
