@@ -64,9 +64,9 @@ class LargeSettings:
     def defaults(cls, *, dry_run: bool) -> LargeSettings:
         if dry_run:
             return cls(dry_run=True, steps=3, warmup_steps=1, batch_size=2, seq_length=128)
-        # 4 x 2048 tokens a step, as many as the 0.5B check's 8 x 1024. By estimate about
-        # 16 bytes a parameter of model states (24 GB) plus each layer's checkpointed input:
-        # within an 80 GB GPU with room for the allocator's cache.
+        # 4 x 2048 tokens a step, as many as the 0.5B check's 8 x 1024: about 31 GiB at
+        # the peak by /v1/runs/validate's estimate (tests/bench/test_gpu_large.py costs
+        # it), within an 80 GB GPU with room for the allocator's cache.
         return cls(dry_run=False, steps=20, warmup_steps=5, batch_size=4, seq_length=2048)
 
     @property

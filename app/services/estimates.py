@@ -379,10 +379,12 @@ def _states(
       of the trace (default 1e9), and backward uses them again, so the last
       reuse_distance / 2 elements of the model stay gathered from forward into backward,
       besides the prefetch bucket and the module being computed.
-    - torch's AdamW makes temporaries as large as what it updates: on CPU two per tensor
-      (the variance's square root, then its quotient), on GPU one for the whole group
-      (its foreach path). ZeRO 1-3 and FP16_Optimizer hand it one flat partition per
-      group; DeepSpeedCPUAdam (offload_optimizer) updates in place.
+    - On CPU torch's AdamW makes temporaries as large as what it updates, two per tensor
+      (the variance's square root, then its quotient); ZeRO 1-3 and FP16_Optimizer hand it
+      one flat partition per group. On a GPU the worker builds the fused AdamW
+      (worker/training/optimizer.py), one kernel that updates in place
+      (torch/optim/adam.py `_fused_adam`), and DeepSpeedCPUAdam (offload_optimizer)
+      updates in place too: no temporaries.
     - offload_optimizer moves the master copy, Adam and the fp32 gradients to the host,
       offload_params the parameter partition.
     """
@@ -395,12 +397,12 @@ def _states(
     psi_t = trainable_parameters(spec, model) / tp
     mixed = width < _FP32
     offload = ds.offload_optimizer == "cpu"
-    temporaries_per_element = _FP32 * (1 if spec.resources.use_gpu else 2)
+    temporaries_per_element = 0 if spec.resources.use_gpu else 2 * _FP32
     largest = min(max(model.tensor_sizes) / tp, psi_t)
 
     if stage == 0:
         # Plain AdamW on the module's tensors (fp32), or on FP16_Optimizer's flat master.
-        flat = mixed or spec.resources.use_gpu
+        flat = mixed
         return _States(
             parameters=width * psi,
             persistent=0,
@@ -681,9 +683,11 @@ def _formulas(
         "optimizer_step_temporaries": (
             "none: DeepSpeedCPUAdam updates in place"
             if ds.offload_optimizer == "cpu"
-            else f"torch AdamW's update: {4 if on_gpu else 8} bytes x "
-            + (per_dp if stage >= 1 or width < _FP32 or on_gpu else "the largest tensor")
-            + (" (one foreach temporary)" if on_gpu else " (square root, then quotient)")
+            else "none: torch's fused AdamW updates in place"
+            if on_gpu
+            else "torch AdamW's update: 8 bytes x "
+            + (per_dp if stage >= 1 or width < _FP32 else "the largest tensor")
+            + " (square root, then quotient)"
         ),
         "fp32_master_copy": {
             0: "4 bytes x Ψ in 16-bit (FP16_Optimizer), none in fp32",

@@ -180,6 +180,17 @@ class TestPlacement:
             assert line["host"] == 0, name
         assert lines["runtime"] == {"device": 0, "host": RUNTIME_HOST_BYTES}
 
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+    def test_the_fused_adamw_a_gpu_run_builds_updates_in_place(self, stage: int) -> None:
+        """worker/training/optimizer.py builds torch's fused AdamW on a GPU: no temporaries;
+        on CPU the default AdamW's two (square root, then quotient) of what it updates."""
+        gpu = breakdown(spec_for(stage=stage, gpu=True))
+        assert total(gpu["lines"]["optimizer_step_temporaries"]) == 0
+        assert "fused AdamW" in gpu["formulas"]["optimizer_step_temporaries"]
+        if stage:
+            cpu = breakdown(spec_for(stage=stage))["lines"]["optimizer_step_temporaries"]
+            assert total(cpu) == pytest.approx(8 * PSI / 2, abs=2)
+
     def test_offload_moves_lines_from_device_to_host(self) -> None:
         on_device = breakdown(spec_for(stage=3, gpu=True))["lines"]
         offloaded = breakdown(

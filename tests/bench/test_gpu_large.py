@@ -129,3 +129,53 @@ def test_the_service_estimates_the_dry_runs_request(
     assert memory["gradient_checkpointing"] is True
     assert peak == memory["peak"]["host"] > 0
     assert memory["peak"]["device"] == 0  # a CPU run keeps nothing on a device
+
+
+def _header_only_checkpoint(folder: Path, config: object) -> None:
+    """A safetensors file of the model's tensor names, shapes and dtype (bf16, as
+    build_llama saves it) and no data: all the service's estimate reads of a model."""
+    import json
+    import struct
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(config)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, tensor in module.state_dict().items():
+        size = 2 * tensor.numel()
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header).encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+def test_by_the_services_estimate_the_gpu_run_fits_an_80_gb_gpu(tmp_path: Path) -> None:
+    """The check's own request, costed as /v1/runs/validate costs it (the files' headers,
+    the resolved DeepSpeed config): what it will be measured against on the GPU."""
+    from app.services.estimates import ModelFacts, memory_per_worker
+    from contract.deepspeed_config import resolve_deepspeed_config
+    from contract.run_request import RunDefinition
+
+    config = gpu_check.llama_config(LARGE_MODEL, vocab_size=512, max_positions=GPU.seq_length)
+    folder = tmp_path / "llama-1.5b"
+    _header_only_checkpoint(folder, config)
+    model = ModelFacts.read(folder, config.to_dict())
+    assert model is not None and 1.45e9 < model.parameters < 1.6e9
+    body = gpu_large.run_request(folder, tmp_path / "data.jsonl", settings=GPU)
+    spec = RunDefinition.model_validate(RunRequest.model_validate(body).worker_fields())
+    ds_config = resolve_deepspeed_config(spec, hidden_size=LARGE_MODEL.hidden_size)
+    memory = memory_per_worker(spec, model, ds_config)
+    device = memory["peak"]["device"]
+    # Model states alone are 16 bytes a parameter (bf16 weights and gradients, fp32 master
+    # and Adam's two moments, one worker: nothing partitioned away); the rest is smaller.
+    assert 16 * model.parameters < device < 40 * GIB, device / GIB
+    assert memory["gradient_checkpointing"] is True
+    assert memory["lines"]["optimizer_step_temporaries"]["device"] == 0  # fused AdamW

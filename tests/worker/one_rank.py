@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # What a rank imports before its first line: about 6 CPU seconds in a fresh interpreter,
@@ -28,22 +31,40 @@ PRELOADED = (
 
 def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)`, each rank forked from the fork
-    server, in this process's environment as it is now (a fork server's children would
-    otherwise get the environment it started with)."""
+    server, in this process's environment as it is now, its output shown as this test's.
+
+    A fork server's children get the environment it started with and write to the
+    stdout and stderr it started with (under pytest, the capture of whichever test
+    started it): each rank writes to a file of its own instead, printed here after."""
     import torch.multiprocessing as torch_mp
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
-    torch_mp.start_processes(
-        _in_environment,
-        args=(fn, dict(os.environ), *args),
-        nprocs=nprocs,
-        start_method="forkserver",
-    )
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        try:
+            torch_mp.start_processes(
+                _in_environment,
+                args=(fn, dict(os.environ), logs, *args),
+                nprocs=nprocs,
+                start_method="forkserver",
+            )
+        finally:
+            for rank in range(nprocs):
+                log = Path(logs, f"rank{rank}.log")
+                if log.exists() and (text := log.read_text(errors="replace")):
+                    sys.stdout.write(f"--- rank {rank} ---\n{text}")
 
 
-def _in_environment(rank: int, fn: Callable[..., None], env: dict[str, str], *args: Any) -> None:
+def _in_environment(
+    rank: int, fn: Callable[..., None], env: dict[str, str], logs: str, *args: Any
+) -> None:
     os.environ.clear()
     os.environ.update(env)
+    log = os.open(Path(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    # Ranks may end with os._exit, which flushes nothing.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     fn(rank, *args)
 
 

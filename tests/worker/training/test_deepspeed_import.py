@@ -21,8 +21,9 @@ print("mlflow imported with deepspeed:", "mlflow" in sys.modules, autotuner.has_
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 print("inductor imported with muon:", "torch._inductor.compile_fx" in sys.modules)
+# torch.compile's own wrapper carries _torchdynamo_orig_callable; the deferred one not yet.
 deferred = original_muon.zeropower_via_newtonschulz5
-print("muon's function deferred:", hasattr(deferred, "__wrapped__"))
+print("muon's function deferred:", not hasattr(deferred, "_torchdynamo_orig_callable"))
 import mlflow
 print("mlflow later:", mlflow.__name__)
 """
