@@ -1,6 +1,8 @@
-"""GPU check: a ~0.5B Llama, built locally, trained through the real service on one GPU with
-bf16 under ZeRO-2 and ZeRO-3, next to a plain DeepSpeed script on the same GPU, data and
-DeepSpeed config (bench/gpu_check_plain.py): tokens/s, MFU and peak GPU memory of each.
+"""GPU check: ~0.5B Llama through tuneyard and a plain DeepSpeed script, bf16, ZeRO-2 and 3.
+
+A ~0.5B Llama, built locally, trained through the real service on one GPU with bf16 under
+ZeRO-2 and ZeRO-3, next to a plain DeepSpeed script on the same GPU, data and DeepSpeed
+config (bench/gpu_check_plain.py): tokens/s, MFU and peak GPU memory of each.
 
     python -m bench.gpu_check             # one CUDA GPU; appends its table to BENCHMARKS.md
     python -m bench.gpu_check --dry-run   # CPU: a tiny Llama, fp32, 3 steps, the same code
