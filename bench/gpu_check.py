@@ -320,14 +320,17 @@ def build_llama(folder: Path, shape: LlamaShape, *, max_positions: int) -> Path:
     return folder
 
 
-def build_assets(root: Path, settings: CheckSettings) -> tuple[Path, Path]:
-    """The model folder and a jsonl dataset under `root`."""
+def build_assets(
+    root: Path, settings: CheckSettings, *, shape: LlamaShape = GPU_MODEL, name: str = "llama-0.5b"
+) -> tuple[Path, Path]:
+    """The model folder (a Llama of `shape` in `name`; the tiny Llama in a dry run) and a
+    jsonl dataset under `root`."""
     from app.cli.tiny_assets import build_tiny_llama, write_jsonl_dataset
 
     if settings.dry_run:
         model = build_tiny_llama(root / "tiny-llama", max_positions=max(128, settings.seq_length))
     else:
-        model = build_llama(root / "llama-0.5b", GPU_MODEL, max_positions=settings.seq_length)
+        model = build_llama(root / name, shape, max_positions=settings.seq_length)
     data = write_jsonl_dataset(root / "news.jsonl", rows=settings.dataset_rows())
     return model, data
 

@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, gpu_check
 from bench.gpu_check import (
+    CheckSettings,
     LlamaShape,
-    build_llama,
     cuda_device_name,
     flops_per_token,
     measure_service,
@@ -53,69 +52,31 @@ ZERO_STAGE = 3
 ESTIMATE_BAND = (0.8, 1.25)
 
 
-@dataclass(frozen=True)
-class LargeSettings:
-    dry_run: bool
-    steps: int
-    warmup_steps: int
-    batch_size: int
-    seq_length: int
-    learning_rate: float = 1e-4
-
-    @classmethod
-    def defaults(cls, *, dry_run: bool) -> LargeSettings:
-        if dry_run:
-            return cls(dry_run=True, steps=3, warmup_steps=1, batch_size=2, seq_length=128)
-        # 4 x 2048 tokens a step, as many as the 0.5B check's 8 x 1024: about 31 GiB at
-        # the peak by /v1/runs/validate's estimate (tests/bench/test_gpu_large.py costs
-        # it), within an 80 GB GPU with room for the allocator's cache.
-        return cls(dry_run=False, steps=20, warmup_steps=5, batch_size=4, seq_length=2048)
-
-    @property
-    def use_gpu(self) -> bool:
-        return not self.dry_run
-
-    @property
-    def precision(self) -> str:
-        return "fp32" if self.dry_run else "bf16"
-
-    def dataset_rows(self) -> int:
-        """Enough short news lines (about ten tokens each) for one epoch of packed blocks."""
-        return max(512, self.steps * self.batch_size * self.seq_length // 8)
+def settings_for(*, dry_run: bool) -> CheckSettings:
+    """The 0.5B check's settings, at this model's sequence length and learning rate."""
+    if dry_run:
+        return CheckSettings(
+            dry_run=True, steps=3, warmup_steps=1, batch_size=2, seq_length=128, learning_rate=1e-4
+        )
+    # 4 x 2048 tokens a step, as many as the 0.5B check's 8 x 1024: about 31 GiB at the peak
+    # by /v1/runs/validate's estimate (tests/bench/test_gpu_large.py costs it), within an
+    # 80 GB GPU with room for the allocator's cache.
+    return CheckSettings(
+        dry_run=False, steps=20, warmup_steps=5, batch_size=4, seq_length=2048, learning_rate=1e-4
+    )
 
 
-def build_assets(root: Path, settings: LargeSettings) -> tuple[Path, Path]:
-    from app.cli.tiny_assets import build_tiny_llama, write_jsonl_dataset
-
-    if settings.dry_run:
-        model = build_tiny_llama(root / "tiny-llama", max_positions=settings.seq_length)
-    else:
-        model = build_llama(root / "llama-1.5b", LARGE_MODEL, max_positions=settings.seq_length)
-    data = write_jsonl_dataset(root / "news.jsonl", rows=settings.dataset_rows())
-    return model, data
+def build_assets(root: Path, settings: CheckSettings) -> tuple[Path, Path]:
+    return gpu_check.build_assets(root, settings, shape=LARGE_MODEL, name="llama-1.5b")
 
 
-def run_request(model: Path, data: Path, *, settings: LargeSettings) -> dict[str, Any]:
-    """ZeRO-3, activation checkpointing, full packed blocks (every step trains batch x
-    seq_length tokens); the optimizer at the run's defaults; a metric every step."""
-    return {
-        "model": str(model),
-        "dataset": {"source": str(data), "text_field": "text"},
-        "training": {
-            "max_steps": settings.steps,
-            "learning_rate": settings.learning_rate,
-            "batch_size_per_worker": settings.batch_size,
-            "seq_length": settings.seq_length,
-            "packing": True,
-            "gradient_checkpointing": True,
-            "log_every_n_steps": 1,
-        },
-        "deepspeed": {"zero_stage": ZERO_STAGE, "precision": settings.precision},
-        "resources": {"num_workers": 1, "use_gpu": settings.use_gpu},
-        "checkpointing": {"export_hf": False},
-        "fault_tolerance": {"max_failures": 0, "max_resubmits": 0},
-        "metadata": {"bench": "gpu_large"},
-    }
+def run_request(model: Path, data: Path, *, settings: CheckSettings) -> dict[str, Any]:
+    """The 0.5B check's request (full packed blocks, the optimizer at the run's defaults, a
+    metric every step) at ZeRO-3 with activation checkpointing."""
+    body = gpu_check.run_request(model, data, zero_stage=ZERO_STAGE, settings=settings)
+    body["training"]["gradient_checkpointing"] = True
+    body["metadata"] = {"bench": "gpu_large"}
+    return body
 
 
 def estimated_peak(report: dict[str, Any], *, on_gpu: bool) -> int:
@@ -166,8 +127,8 @@ def main() -> int:
         "--peak-flops", type=float, help="the GPU's peak dense bf16 FLOP/s, e.g. 989e12"
     )
     args = parser.parse_args()
-    defaults = LargeSettings.defaults(dry_run=args.dry_run)
-    settings = LargeSettings(
+    defaults = settings_for(dry_run=args.dry_run)
+    settings = CheckSettings(
         dry_run=args.dry_run,
         steps=args.steps or defaults.steps,
         warmup_steps=defaults.warmup_steps,

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.settings import Settings
 from bench import common, gpu_check
 from bench.gpu_check import (
     GPU_MODEL,
@@ -224,19 +223,6 @@ class TestRequests:
 def dry_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpu-check")
     return gpu_check.build_assets(root / "assets", DRY)
-
-
-@pytest.fixture
-def database_url(sqlite_url: str) -> str:
-    """SQLite only: these tests are about the benchmark's requests, not the data layer."""
-    return sqlite_url
-
-
-@pytest.fixture
-def settings(tmp_path: Path, database_url: str, dry_assets: tuple[Path, Path]) -> Settings:
-    home = tmp_path / "home"
-    home.mkdir()
-    return Settings(home=home, database_url=database_url, allowed_roots=str(dry_assets[0].parent))
 
 
 class TestDryRun:

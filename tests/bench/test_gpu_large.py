@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.settings import Settings
 from bench import gpu_check, gpu_large
-from bench.gpu_large import LARGE_MODEL, LargeSettings
+from bench.gpu_check import CheckSettings
+from bench.gpu_large import LARGE_MODEL
 from contract.run_request import RunRequest
 
-DRY = LargeSettings.defaults(dry_run=True)
-GPU = LargeSettings.defaults(dry_run=False)
+DRY = gpu_large.settings_for(dry_run=True)
+GPU = gpu_large.settings_for(dry_run=False)
 GIB = 1 << 30
 
 
@@ -31,7 +31,7 @@ def test_the_model_is_about_one_and_a_half_billion_parameters() -> None:
 
 @pytest.mark.parametrize("settings", [DRY, GPU], ids=["dry", "gpu"])
 def test_the_request_is_zero3_with_checkpointing_at_its_sequence_length(
-    tmp_path: Path, settings: LargeSettings
+    tmp_path: Path, settings: CheckSettings
 ) -> None:
     body = gpu_large.run_request(tmp_path / "model", tmp_path / "data.jsonl", settings=settings)
     request = RunRequest.model_validate(body)
@@ -103,19 +103,6 @@ def test_the_row_names_where_the_peak_was_measured() -> None:
 @pytest.fixture(scope="module")
 def dry_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return gpu_large.build_assets(tmp_path_factory.mktemp("gpu-large") / "assets", DRY)
-
-
-@pytest.fixture
-def database_url(sqlite_url: str) -> str:
-    """SQLite only: these tests are about the benchmark's request, not the data layer."""
-    return sqlite_url
-
-
-@pytest.fixture
-def settings(tmp_path: Path, database_url: str, dry_assets: tuple[Path, Path]) -> Settings:
-    home = tmp_path / "home"
-    home.mkdir()
-    return Settings(home=home, database_url=database_url, allowed_roots=str(dry_assets[0].parent))
 
 
 def test_the_service_estimates_the_dry_runs_request(
